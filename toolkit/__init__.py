@@ -1,0 +1,1 @@
+"""parakit: compose, validate, plan and emit parallel training layouts."""

@@ -1,0 +1,1 @@
+"""Typed configuration schema and Hydra composition helpers."""

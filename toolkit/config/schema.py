@@ -1,0 +1,176 @@
+"""The typed schema every parakit configuration is composed into.
+
+Plain dataclasses, no Hydra import: `toolkit.plan` reads these objects without pulling in
+Hydra or torch. `toolkit.config.store` registers them in Hydra's ConfigStore so that a wrong
+type (`parallel.tp=abc`) or an unknown key fails at composition.
+
+Names follow what users of Megatron-LM and DeepSpeed type: `parallel.tp`, `parallel.pp`,
+`parallel.vpp`, `zero=0..3`, `precision=bf16`, `recompute=full`, `train.global_batch`.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Optional
+
+
+@dataclass
+class ModelConfig:
+    """A decoder-only transformer, described once for every consumer (planner, Megatron, HF)."""
+
+    name: str = "tiny"
+    family: str = "llama"  # llama | gpt2 : the Hugging Face architecture it maps to
+    num_layers: int = 8
+    hidden_size: int = 64
+    num_attention_heads: int = 4
+    num_kv_heads: Optional[int] = None  # None: multi-head attention (kv heads = heads)
+    head_dim: Optional[int] = None  # None: hidden_size / num_attention_heads
+    ffn_hidden_size: int = 256
+    vocab_size: int = 50257
+    # Megatron pads the embedding to a multiple of this times tp (--make-vocab-size-divisible-by).
+    make_vocab_size_divisible_by: int = 128
+    seq_length: int = 128  # training sequence length
+    max_position_embeddings: int = 128  # the longest sequence the model supports
+    normalization: str = "RMSNorm"  # RMSNorm | LayerNorm
+    norm_epsilon: float = 1e-5
+    activation: str = "swiglu"  # swiglu | gelu
+    position_embedding: str = "rope"  # rope | learned_absolute
+    rotary_base: float = 10000.0
+    tie_embeddings: bool = False
+    add_bias_linear: bool = False
+    add_qkv_bias: bool = False
+    init_method_std: float = 0.02
+    hidden_dropout: float = 0.0
+    attention_dropout: float = 0.0
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1  # tensor parallel size
+    pp: int = 1  # pipeline parallel size
+    vpp: int = 1  # virtual pipeline stages per pipeline rank (interleaved 1F1B when > 1)
+    dp: Optional[int] = None  # data parallel size; derived from the world size when left out
+    cp: int = 1  # context parallel size (megatron backend)
+    sequence_parallel: bool = False  # Megatron sequence parallel (needs tp > 1)
+
+
+@dataclass
+class ZeroConfig:
+    """ZeRO stage. On the megatron backend stage 1 is Megatron's distributed optimizer."""
+
+    stage: int = 1
+    offload_optimizer: str = "none"  # none | cpu | nvme
+    offload_param: str = "none"  # none | cpu | nvme (stage 3 only)
+    nvme_path: Optional[str] = None
+    overlap_comm: bool = True
+    reduce_bucket_size: int = 500_000_000
+    allgather_bucket_size: int = 500_000_000
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    stage3_max_live_parameters: int = 1_000_000_000
+
+
+@dataclass
+class PrecisionConfig:
+    dtype: str = "bf16"  # fp32 | bf16 | fp16 | fp8
+    # fp16 needs loss scaling: dynamic (recommended), static (loss_scale), or none.
+    loss_scaling: str = "dynamic"
+    loss_scale: float = 1.0  # static scale, used when loss_scaling=static
+    initial_scale_power: int = 16  # dynamic: start at 2**power
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    min_loss_scale: float = 1.0
+    fp8_format: str = "hybrid"  # hybrid | e4m3 (Transformer Engine recipes)
+    grad_reduce_in_fp32: bool = True
+
+
+@dataclass
+class RecomputeConfig:
+    granularity: str = "none"  # none | selective | full
+    method: str = "uniform"  # full only: uniform | block (Megatron --recompute-method)
+    num_layers: int = 1  # full only: layers per recompute chunk (uniform) or per stage (block)
+    modules: list[str] = field(default_factory=lambda: ["core_attn"])  # selective only
+
+
+@dataclass
+class OptimConfig:
+    name: str = "adamw"
+    lr: float = 3e-4
+    min_lr: float = 3e-5
+    beta1: float = 0.9
+    beta2: float = 0.95
+    eps: float = 1e-8
+    weight_decay: float = 0.1
+    clip_grad: float = 1.0
+    warmup_steps: int = 100
+    decay_style: str = "cosine"  # cosine | linear | constant
+    decay_steps: Optional[int] = None  # None: decay over all training steps
+    # Rescaling rule when the global batch differs from the batch lr/warmup were tuned at.
+    lr_scaling: str = "none"  # none | linear | sqrt
+    reference_global_batch: Optional[int] = None
+
+
+@dataclass
+class TrainConfig:
+    global_batch: int = 16  # sequences per optimizer step, over all data-parallel ranks
+    micro_batch: int = 1  # sequences per rank per forward/backward
+    grad_accum: Optional[int] = None  # derived: global_batch / (micro_batch * dp)
+    steps: Optional[int] = 50  # optimizer steps (or give tokens)
+    tokens: Optional[int] = None  # total training tokens; sets steps when steps is null
+    seed: int = 1234
+    log_interval: int = 1
+
+
+@dataclass
+class ClusterConfig:
+    name: str = "cpu"
+    device: str = "cpu"  # cuda | cpu
+    gpu: str = "cpu"  # accelerator model, for reports
+    nodes: int = 1
+    gpus_per_node: int = 4  # on CPU: processes per node
+    gpu_memory_gb: float = 4.0
+    # Dense peak throughput per device, TFLOP/s (vendor datasheet, no sparsity).
+    peak_tflops_bf16: float = 0.5
+    peak_tflops_fp16: float = 0.0
+    peak_tflops_fp32: float = 0.5
+    peak_tflops_fp8: float = 0.0
+    # Bandwidth per device, GB/s in one direction.
+    intra_node_bandwidth_gbs: float = 10.0
+    inter_node_bandwidth_gbs: float = 1.0
+
+
+@dataclass
+class BackendConfig:
+    name: str = "megatron"  # megatron | deepspeed
+
+
+@dataclass
+class DataConfig:
+    name: str = "synthetic"  # synthetic | corpus
+    path: Optional[str] = None  # Megatron indexed dataset prefix (corpus)
+    tokenizer: str = "gpt2"
+    split: str = "98,2,0"
+    num_workers: int = 1
+
+
+@dataclass
+class ChecksConfig:
+    """Thresholds of the validator's warnings."""
+
+    max_bubble_fraction: float = 0.25  # warn when (pp-1)/(vpp*m) exceeds this
+    min_microbatches_per_stage: int = 4  # warn when micro-batches < this * pp
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    precision: PrecisionConfig = field(default_factory=PrecisionConfig)
+    recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    cluster: ClusterConfig = field(default_factory=ClusterConfig)
+    backend: BackendConfig = field(default_factory=BackendConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checks: ChecksConfig = field(default_factory=ChecksConfig)
+    description: str = ""  # a recipe says what it is for

@@ -1,0 +1,1 @@
+"""Emitters: DeepSpeed JSON, Megatron-core configs, Megatron-LM arguments, launch scripts."""

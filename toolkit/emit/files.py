@@ -1,0 +1,67 @@
+"""Writes the five generated files of a run directory, each one atomically."""
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import tempfile
+from pathlib import Path
+
+import yaml
+
+from toolkit.config.schema import Config
+from toolkit.emit.deepspeed import deepspeed_config
+from toolkit.emit.launch import launch_script
+from toolkit.emit.megatron import megatron_sections
+from toolkit.emit.megatron_args import megatron_args
+from toolkit.plan.layout import Layout
+
+GENERATED = ("config.yaml", "deepspeed.json", "megatron.yaml", "megatron_args.txt", "launch.sh")
+
+
+def resolved_config(cfg: Config, layout: Layout) -> Config:
+    """The configuration with its derived values (dp, grad_accum, steps) filled in."""
+    return dataclasses.replace(
+        cfg,
+        parallel=dataclasses.replace(cfg.parallel, dp=layout.dp),
+        train=dataclasses.replace(cfg.train, grad_accum=layout.grad_accum, steps=layout.steps),
+    )
+
+
+def render(cfg: Config, layout: Layout) -> dict[str, str]:
+    """File name -> contents, for every generated file."""
+    sections = megatron_sections(cfg, layout)
+    return {
+        "config.yaml": yaml.safe_dump(dataclasses.asdict(resolved_config(cfg, layout)), sort_keys=False),
+        "deepspeed.json": json.dumps(deepspeed_config(cfg, layout), indent=2) + "\n",
+        "megatron.yaml": yaml.safe_dump(sections, sort_keys=False),
+        "megatron_args.txt": "\n".join(megatron_args(cfg, layout, sections)) + "\n",
+        "launch.sh": launch_script(cfg, layout),
+    }
+
+
+def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
+    """Write to a temporary file beside `path`, then rename: readers never see half a file."""
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w") as f:
+            f.write(text)
+            f.flush()
+            os.fsync(f.fileno())
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise
+
+
+def write_run_files(cfg: Config, layout: Layout, out_dir: Path) -> list[Path]:
+    """Render everything first (so a rendering error writes nothing), then write each file."""
+    files = render(cfg, layout)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    paths = []
+    for name, text in files.items():
+        path = out_dir / name
+        write_atomic(path, text, 0o755 if name.endswith(".sh") else 0o644)
+        paths.append(path)
+    return paths

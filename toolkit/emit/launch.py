@@ -1,0 +1,66 @@
+"""launch.sh: torchrun on one node, or a Slurm batch script running torchrun on every node.
+
+parakit never launches processes itself: torchrun does (elastic rendezvous, restarts), under
+Slurm's `srun` with one task per node for multi-node runs, as the PyTorch elastic docs describe.
+"""
+from __future__ import annotations
+
+from toolkit.config.schema import Config
+from toolkit.plan.layout import Layout
+
+RDZV_PORT = 29500
+
+
+def _entry(cfg: Config) -> str:
+    """What each rank runs: the parakit trainer on this run's resolved config, or for the
+    megatron backend optionally Megatron-LM's pretrain_gpt.py with megatron_args.txt."""
+    lines = [
+        'ENTRY=(-m toolkit.train --config-dir "$RUN_DIR" --config-name config)',
+    ]
+    if cfg.backend.name == "megatron":
+        lines += [
+            'if [[ "${PARAKIT_ENTRY:-parakit}" == megatron-lm ]]; then',
+            '  # Megatron-LM checkout: MEGATRON_LM_DIR=/path/to/Megatron-LM',
+            '  # shellcheck disable=SC2046  # one flag and its value per line: split on whitespace',
+            '  ENTRY=("${MEGATRON_LM_DIR:?set MEGATRON_LM_DIR}/pretrain_gpt.py" $(cat "$RUN_DIR/megatron_args.txt"))',
+            'fi',
+        ]
+    return "\n".join(lines)
+
+
+def launch_script(cfg: Config, layout: Layout) -> str:
+    c = cfg.cluster
+    header = [
+        "#!/usr/bin/env bash",
+        f"# parakit launch: {cfg.model.name} on {c.name} ({c.nodes} node(s) x {c.gpus_per_node} {c.gpu}), backend {cfg.backend.name}",
+        f"# layout: tp={layout.tp} pp={layout.pp} vpp={layout.vpp} cp={layout.cp} dp={layout.dp}; "
+        f"global batch {layout.global_batch} = micro {layout.micro_batch} x accum {layout.grad_accum} x dp {layout.dp}",
+    ]
+    if c.nodes > 1:
+        header += [
+            f"#SBATCH --job-name=parakit-{cfg.model.name}",
+            f"#SBATCH --nodes={c.nodes}",
+            "#SBATCH --ntasks-per-node=1",
+            f"#SBATCH --gpus-per-node={c.gpus_per_node}",
+            "#SBATCH --exclusive",
+        ]
+    body = [
+        "set -euo pipefail",
+        'RUN_DIR="${PARAKIT_RUN_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)}"',
+        "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}",
+    ]
+    if c.device == "cpu":
+        body.append("export DS_ACCELERATOR=cpu  # gloo on CPU")
+    else:
+        body.append("export CUDA_DEVICE_MAX_CONNECTIONS=1  # Megatron: keep TP/SP comm ordered with compute")
+    body.append(_entry(cfg))
+    restarts = "--max-restarts ${PARAKIT_MAX_RESTARTS:-0}"
+    if c.nodes == 1:
+        body.append(f'torchrun --standalone --nnodes 1 --nproc-per-node {c.gpus_per_node} {restarts} "${{ENTRY[@]}}"')
+    else:
+        body += [
+            'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+            f'srun --ntasks-per-node=1 torchrun --nnodes "$SLURM_NNODES" --nproc-per-node {c.gpus_per_node} {restarts} \\',
+            f'  --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:{RDZV_PORT}" --rdzv-id "$SLURM_JOB_ID" "${{ENTRY[@]}}"',
+        ]
+    return "\n".join(header + body) + "\n"

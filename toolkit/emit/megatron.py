@@ -1,0 +1,188 @@
+"""Megatron-core configuration objects for a validated configuration.
+
+`megatron_sections` gives plain values (written to megatron.yaml), one section per megatron-core
+class: ModelParallelConfig + TransformerConfig fields, OptimizerConfig,
+DistributedDataParallelConfig, the OptimizerParamScheduler arguments, and GPTModel arguments.
+`build_megatron_configs` turns the sections into the real megatron-core objects; it is the only
+function here that imports torch and megatron.
+"""
+from __future__ import annotations
+
+from toolkit.config.schema import Config
+from toolkit.plan.layout import Layout
+
+# Names as torch spells them, so the YAML stays plain text.
+_DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}
+
+
+def _model_parallel(cfg: Config, layout: Layout) -> dict:
+    dtype = cfg.precision.dtype
+    on_cpu = cfg.cluster.device == "cpu"
+    return {
+        "tensor_model_parallel_size": layout.tp,
+        "pipeline_model_parallel_size": layout.pp,
+        "virtual_pipeline_model_parallel_size": layout.vpp if layout.vpp > 1 else None,
+        "context_parallel_size": layout.cp,
+        "sequence_parallel": cfg.parallel.sequence_parallel,
+        "bf16": dtype in ("bf16", "fp8"),
+        "fp16": dtype == "fp16",
+        # Megatron-LM keeps model weights in the training dtype; the optimizer holds fp32 masters.
+        "params_dtype": _DTYPE[dtype],
+        "pipeline_dtype": _DTYPE[dtype],
+        "use_cpu_initialization": on_cpu,
+        "perform_initialization": True,
+        # The fused wgrad accumulation is a CUDA kernel from Transformer Engine/apex.
+        "gradient_accumulation_fusion": False,
+        # gloo pairs batched isend/irecv wrongly when the previous and next stage are the same
+        # peer (pp=2 with vpp): silent ~1e-3 loss errors. Send one at a time on CPU.
+        "batch_p2p_comm": not on_cpu,
+        "deallocate_pipeline_outputs": True,
+    }
+
+
+def _transformer(cfg: Config) -> dict:
+    m, r = cfg.model, cfg.recompute
+    fused = cfg.cluster.device == "cuda"
+    swiglu = m.activation == "swiglu"
+    return {
+        "num_layers": m.num_layers,
+        "hidden_size": m.hidden_size,
+        "num_attention_heads": m.num_attention_heads,
+        "num_query_groups": m.num_kv_heads or m.num_attention_heads,
+        "kv_channels": m.head_dim or m.hidden_size // m.num_attention_heads,
+        "ffn_hidden_size": m.ffn_hidden_size,
+        "hidden_dropout": m.hidden_dropout,
+        "attention_dropout": m.attention_dropout,
+        "normalization": m.normalization,
+        "layernorm_epsilon": m.norm_epsilon,
+        "add_bias_linear": m.add_bias_linear,
+        "add_qkv_bias": m.add_qkv_bias,
+        "gated_linear_unit": swiglu,
+        "activation_func": "silu" if swiglu else "gelu",  # SwiGLU = silu gate (Shazeer 2020)
+        "init_method_std": m.init_method_std,
+        "attention_softmax_in_fp32": True,
+        "bias_activation_fusion": fused and (swiglu or m.add_bias_linear),
+        "masked_softmax_fusion": fused,
+        "bias_dropout_fusion": fused,
+        "apply_rope_fusion": False,
+        "recompute_granularity": None if r.granularity == "none" else r.granularity,
+        "recompute_method": r.method if r.granularity == "full" else None,
+        "recompute_num_layers": r.num_layers if r.granularity == "full" else None,
+        "recompute_modules": list(r.modules) if r.granularity == "selective" else None,
+        "fp8": cfg.precision.fp8_format if cfg.precision.dtype == "fp8" else None,
+        "transformer_impl": "transformer_engine" if cfg.precision.dtype == "fp8" else "local",
+    }
+
+
+def _optimizer(cfg: Config, layout: Layout) -> dict:
+    o, pr = cfg.optim, cfg.precision
+    static = pr.dtype == "fp16" and pr.loss_scaling == "static"
+    return {
+        "optimizer": "adam",  # megatron-core's Adam applies decoupled weight decay (AdamW)
+        "lr": layout.lr,
+        "min_lr": layout.min_lr,
+        "weight_decay": o.weight_decay,
+        "adam_beta1": o.beta1,
+        "adam_beta2": o.beta2,
+        "adam_eps": o.eps,
+        "clip_grad": o.clip_grad,
+        "bf16": pr.dtype in ("bf16", "fp8"),
+        "fp16": pr.dtype == "fp16",
+        "params_dtype": _DTYPE[pr.dtype],
+        "loss_scale": pr.loss_scale if static else None,  # None: dynamic
+        "initial_loss_scale": float(2 ** pr.initial_scale_power),
+        "min_loss_scale": pr.min_loss_scale,
+        "loss_scale_window": float(pr.loss_scale_window),
+        "hysteresis": pr.hysteresis,
+        "use_distributed_optimizer": cfg.zero.stage == 1,
+    }
+
+
+def _ddp(cfg: Config) -> dict:
+    overlap = cfg.cluster.device == "cuda"  # overlapping needs CUDA streams
+    distributed = cfg.zero.stage == 1
+    return {
+        "grad_reduce_in_fp32": cfg.precision.grad_reduce_in_fp32,
+        "overlap_grad_reduce": overlap,
+        "overlap_param_gather": overlap and distributed,
+        "use_distributed_optimizer": distributed,
+        "check_for_nan_in_grad": True,
+    }
+
+
+def _scheduler(cfg: Config, layout: Layout) -> dict:
+    """Arguments of megatron.core.optimizer_param_scheduler.OptimizerParamScheduler."""
+    return {
+        "init_lr": 0.0,
+        "max_lr": layout.lr,
+        "min_lr": layout.min_lr,
+        "lr_warmup_steps": layout.warmup_steps,
+        "lr_decay_steps": max(layout.decay_steps, layout.warmup_steps + 1),
+        "lr_decay_style": cfg.optim.decay_style,
+        "start_wd": cfg.optim.weight_decay,
+        "end_wd": cfg.optim.weight_decay,
+        "wd_incr_steps": layout.steps,
+        "wd_incr_style": "constant",
+    }
+
+
+def _gpt_model(cfg: Config, layout: Layout) -> dict:
+    m = cfg.model
+    return {
+        "vocab_size": layout.padded_vocab_size,
+        "max_sequence_length": m.seq_length,
+        "position_embedding_type": m.position_embedding,
+        "rotary_base": m.rotary_base,
+        "share_embeddings_and_output_weights": m.tie_embeddings,
+        "parallel_output": True,
+    }
+
+
+def _training(cfg: Config, layout: Layout) -> dict:
+    return {
+        "world_size": layout.world_size,
+        "data_parallel_size": layout.dp,
+        "global_batch_size": layout.global_batch,
+        "micro_batch_size": layout.micro_batch,
+        "num_microbatches": layout.num_microbatches,
+        "seq_length": layout.seq_length,
+        "train_iters": layout.steps,
+        "seed": cfg.train.seed,
+        "log_interval": cfg.train.log_interval,
+    }
+
+
+def megatron_sections(cfg: Config, layout: Layout) -> dict:
+    return {
+        "model_parallel": _model_parallel(cfg, layout),
+        "transformer": _transformer(cfg),
+        "optimizer": _optimizer(cfg, layout),
+        "ddp": _ddp(cfg),
+        "scheduler": _scheduler(cfg, layout),
+        "gpt_model": _gpt_model(cfg, layout),
+        "training": _training(cfg, layout),
+    }
+
+
+def build_megatron_configs(sections: dict):
+    """(TransformerConfig, OptimizerConfig, DistributedDataParallelConfig) from the sections."""
+    import torch
+    import torch.nn.functional as F
+
+    from toolkit.train import mcore_cpu
+
+    mcore_cpu.import_shims()
+    from megatron.core.distributed import DistributedDataParallelConfig
+    from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer.transformer_config import TransformerConfig
+
+    def dtypes(section: dict) -> dict:
+        return {k: getattr(torch, v) if k.endswith("_dtype") and isinstance(v, str) else v for k, v in section.items()}
+
+    transformer = {**dtypes(sections["model_parallel"]), **sections["transformer"]}
+    transformer["activation_func"] = {"silu": F.silu, "gelu": F.gelu}[transformer["activation_func"]]
+    return (
+        TransformerConfig(**transformer),
+        OptimizerConfig(**dtypes(sections["optimizer"])),
+        DistributedDataParallelConfig(**sections["ddp"]),
+    )

@@ -1,0 +1,1 @@
+"""Pure arithmetic about layouts: rules, batch and LR math, estimates. Never imports torch."""

@@ -1,0 +1,131 @@
+"""The resolved layout: every derived number of a configuration, computed in one place.
+
+World size, data-parallel size, gradient accumulation, micro-batches per step, padded vocabulary,
+training steps, the rescaled learning rate and warmup, and the pipeline bubble. The validator
+checks a configuration; `resolve` turns a valid one into a `Layout` that the emitters, the
+planner and the trainer all read, so nothing downstream recomputes these.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from toolkit.config.schema import Config
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int
+    tp: int
+    pp: int
+    vpp: int
+    cp: int
+    dp: int
+    micro_batch: int
+    global_batch: int
+    grad_accum: int  # micro-batches per optimizer step on each data-parallel rank
+    seq_length: int
+    padded_vocab_size: int
+    steps: int
+    lr: float
+    min_lr: float
+    warmup_steps: int
+    decay_steps: int
+    bubble_fraction: float
+
+    @property
+    def num_microbatches(self) -> int:
+        """Micro-batches each pipeline processes per step (Megatron's num_microbatches)."""
+        return self.grad_accum
+
+    @property
+    def model_parallel_size(self) -> int:
+        return self.tp * self.pp * self.cp
+
+
+def world_size(cfg: Config) -> int:
+    return cfg.cluster.nodes * cfg.cluster.gpus_per_node
+
+
+def derived_dp(cfg: Config) -> int | None:
+    """parallel.dp if given, else world / (tp*pp*cp) when that divides; None when it does not."""
+    if cfg.parallel.dp is not None:
+        return cfg.parallel.dp
+    model_parallel = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
+    world = world_size(cfg)
+    return world // model_parallel if world % model_parallel == 0 else None
+
+
+def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
+    """Megatron-LM's `_vocab_size_with_padding`: round up to a multiple of divisible_by * tp,
+    so each tensor-parallel shard of the embedding has the same, GEMM-friendly size.
+    divisible_by=0 disables padding (the vocabulary must then divide by tp)."""
+    if divisible_by <= 0:
+        return vocab_size
+    multiple = divisible_by * tp
+    return -(-vocab_size // multiple) * multiple
+
+
+def lr_scale_factor(rule: str, global_batch: int, reference_batch: int | None) -> float:
+    """How much the learning rate grows when the global batch grows from the reference batch.
+
+    linear: lr * B/B_ref (Goyal et al. 2017, "Accurate, Large Minibatch SGD", section 2.1).
+    sqrt:   lr * sqrt(B/B_ref) (Krizhevsky 2014, "One weird trick", section 5; Malladi et al.
+            2022, "On the SDEs and Scaling Rules for Adaptive Gradient Algorithms", for Adam).
+    """
+    if rule == "none" or not reference_batch:
+        return 1.0
+    ratio = global_batch / reference_batch
+    return ratio if rule == "linear" else math.sqrt(ratio)
+
+
+def rescaled_warmup(warmup_steps: int, rule: str, global_batch: int, reference_batch: int | None) -> int:
+    """Keep the warmup's number of samples fixed when the batch changes (Goyal et al. 2017,
+    section 2.2, warm up over a fixed amount of data): steps scale by B_ref/B."""
+    if rule == "none" or not reference_batch or warmup_steps == 0:
+        return warmup_steps
+    return max(1, round(warmup_steps * reference_batch / global_batch))
+
+
+def training_steps(cfg: Config) -> int:
+    """train.steps, or train.tokens / (global_batch * seq_length) rounded up."""
+    if cfg.train.steps is not None:
+        return cfg.train.steps
+    tokens_per_step = cfg.train.global_batch * cfg.model.seq_length
+    return -(-(cfg.train.tokens or 0) // tokens_per_step)
+
+
+def bubble_fraction(pp: int, vpp: int, num_microbatches: int) -> float:
+    """Idle fraction of 1F1B / interleaved 1F1B: (p-1)/(v*m) of the ideal time
+    (Narayanan et al. 2021, "Efficient Large-Scale Language Model Training on GPU Clusters
+    Using Megatron-LM", sections 2.2.1-2.2.2)."""
+    return (pp - 1) / (vpp * num_microbatches)
+
+
+def resolve(cfg: Config) -> Layout:
+    """The derived numbers of a configuration the validator accepted."""
+    p, t, o = cfg.parallel, cfg.train, cfg.optim
+    dp = derived_dp(cfg)
+    grad_accum = t.global_batch // (t.micro_batch * dp)
+    steps = training_steps(cfg)
+    factor = lr_scale_factor(o.lr_scaling, t.global_batch, o.reference_global_batch)
+    warmup = rescaled_warmup(o.warmup_steps, o.lr_scaling, t.global_batch, o.reference_global_batch)
+    return Layout(
+        world_size=world_size(cfg),
+        tp=p.tp,
+        pp=p.pp,
+        vpp=p.vpp,
+        cp=p.cp,
+        dp=dp,
+        micro_batch=t.micro_batch,
+        global_batch=t.global_batch,
+        grad_accum=grad_accum,
+        seq_length=cfg.model.seq_length,
+        padded_vocab_size=padded_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by, p.tp),
+        steps=steps,
+        lr=o.lr * factor,
+        min_lr=o.min_lr * factor,
+        warmup_steps=warmup,
+        decay_steps=o.decay_steps if o.decay_steps is not None else steps,
+        bubble_fraction=bubble_fraction(p.pp, p.vpp, grad_accum),
+    )

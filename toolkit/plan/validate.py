@@ -1,0 +1,393 @@
+"""The layout validator: every rule a configuration must pass before a GPU-hour is spent.
+
+Pure Python. `validate(cfg)` returns all errors and warnings at once; each names the fields,
+their values, the rule, and a concrete fix. Errors are what DeepSpeed or Megatron would reject
+(often only after a few steps); warnings are valid layouts that run slowly or train differently.
+`check(cfg)` raises `ValidationError` when there are errors and returns the resolved `Layout`.
+
+Sources for the rules: Megatron-LM `megatron/training/arguments.py::validate_args`, megatron-core
+`TransformerConfig.__post_init__` and schedules, DeepSpeed `runtime/config.py` and
+`runtime/pipe/engine.py`, and the practitioner's checklist in shared/SEED-DIGEST.md section 6.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, Iterator
+
+from toolkit.config.schema import Config
+from toolkit.plan.layout import Layout, bubble_fraction, derived_dp, padded_vocab_size, resolve, world_size
+
+ERROR, WARNING = "error", "warning"
+
+
+@dataclass(frozen=True)
+class Violation:
+    rule: str  # short id, e.g. "pp_layers"
+    severity: str  # error | warning
+    fields: dict  # field path -> value, the values that break the rule
+    message: str  # what is wrong
+    fix: str  # a concrete change that satisfies the rule
+
+    def __str__(self) -> str:
+        values = ", ".join(f"{k}={v!r}" for k, v in self.fields.items())
+        return f"{self.severity} [{self.rule}] {values}: {self.message}. Fix: {self.fix}"
+
+
+@dataclass(frozen=True)
+class Report:
+    errors: tuple[Violation, ...]
+    warnings: tuple[Violation, ...]
+
+    @property
+    def ok(self) -> bool:
+        return not self.errors
+
+    def __str__(self) -> str:
+        lines = [str(v) for v in self.errors + self.warnings]
+        return "\n".join(lines) if lines else "ok: no errors, no warnings"
+
+
+class ValidationError(ValueError):
+    """Raised by `check` with every error of the configuration."""
+
+    def __init__(self, report: Report):
+        self.report = report
+        count = len(report.errors)
+        super().__init__(f"{count} configuration error{'s' * (count != 1)}:\n" + "\n".join(map(str, report.errors)))
+
+
+def _err(rule, fields, message, fix):
+    return Violation(rule, ERROR, fields, message, fix)
+
+
+def _warn(rule, fields, message, fix):
+    return Violation(rule, WARNING, fields, message, fix)
+
+
+def _divisors(n: int, limit: int | None = None) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0 and (limit is None or d <= limit)]
+
+
+def _listing(values) -> str:
+    values = list(values)
+    if len(values) > 12:
+        values = values[:6] + ["..."] + values[-3:]
+    return ", ".join(str(v) for v in values)
+
+
+# ---------------------------------------------------------------- value ranges and choices
+_CHOICES = {
+    "model.family": ("llama", "gpt2"),
+    "model.normalization": ("RMSNorm", "LayerNorm"),
+    "model.activation": ("swiglu", "gelu"),
+    "model.position_embedding": ("rope", "learned_absolute"),
+    "zero.offload_optimizer": ("none", "cpu", "nvme"),
+    "zero.offload_param": ("none", "cpu", "nvme"),
+    "precision.dtype": ("fp32", "bf16", "fp16", "fp8"),
+    "precision.loss_scaling": ("dynamic", "static", "none"),
+    "precision.fp8_format": ("hybrid", "e4m3"),
+    "recompute.granularity": ("none", "selective", "full"),
+    "recompute.method": ("uniform", "block"),
+    "optim.name": ("adamw",),
+    "optim.decay_style": ("cosine", "linear", "constant"),
+    "optim.lr_scaling": ("none", "linear", "sqrt"),
+    "cluster.device": ("cuda", "cpu"),
+    "backend.name": ("megatron", "deepspeed"),
+    "data.name": ("synthetic", "corpus"),
+}
+_AT_LEAST_ONE = (
+    "model.num_layers", "model.hidden_size", "model.num_attention_heads", "model.num_kv_heads",
+    "model.head_dim", "model.ffn_hidden_size", "model.vocab_size", "model.seq_length",
+    "model.max_position_embeddings", "parallel.tp", "parallel.pp", "parallel.vpp", "parallel.dp",
+    "parallel.cp", "train.global_batch", "train.micro_batch", "train.grad_accum", "train.steps",
+    "train.tokens", "train.log_interval", "cluster.nodes", "cluster.gpus_per_node",
+)
+_NON_NEGATIVE = (
+    "model.make_vocab_size_divisible_by", "model.norm_epsilon", "model.init_method_std",
+    "optim.lr", "optim.min_lr", "optim.eps", "optim.weight_decay", "optim.clip_grad",
+    "optim.warmup_steps", "optim.decay_steps", "optim.reference_global_batch",
+    "precision.loss_scale", "precision.min_loss_scale", "precision.loss_scale_window",
+    "precision.hysteresis", "recompute.num_layers", "cluster.gpu_memory_gb",
+)
+
+
+def _get(cfg: Config, path: str):
+    obj = cfg
+    for part in path.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def _ranges(cfg: Config) -> Iterator[Violation]:
+    for path, choices in _CHOICES.items():
+        if _get(cfg, path) not in choices:
+            yield _err("choice", {path: _get(cfg, path)}, "not a supported value", f"use one of {', '.join(choices)}")
+    for path in _AT_LEAST_ONE:
+        value = _get(cfg, path)
+        if value is not None and value < 1:
+            yield _err("range", {path: value}, "must be a positive integer", f"set {path} >= 1")
+    for path in _NON_NEGATIVE:
+        value = _get(cfg, path)
+        if value is not None and value < 0:
+            yield _err("range", {path: value}, "must not be negative", f"set {path} >= 0")
+    if cfg.zero.stage not in (0, 1, 2, 3):
+        yield _err("choice", {"zero.stage": cfg.zero.stage}, "ZeRO has stages 0-3", "use zero=0, 1, 2 or 3")
+    bad_dropout = [p for p in ("model.hidden_dropout", "model.attention_dropout") if not 0 <= _get(cfg, p) < 1]
+    if bad_dropout:
+        yield _err("range", {p: _get(cfg, p) for p in bad_dropout}, "a dropout rate lies in [0, 1)", "use 0.0 to 0.1")
+    if cfg.train.steps is None and cfg.train.tokens is None:
+        yield _err("train_length", {"train.steps": None, "train.tokens": None},
+                   "the run has no length", "set train.steps=N or train.tokens=N")
+    for path in ("optim.beta1", "optim.beta2"):
+        if not 0 <= _get(cfg, path) < 1:
+            yield _err("range", {path: _get(cfg, path)}, "an Adam beta lies in [0, 1)", f"set {path}=0.9 (beta1) or 0.95 (beta2)")
+
+
+# ---------------------------------------------------------------- the model itself
+def _model(cfg: Config) -> Iterator[Violation]:
+    m = cfg.model
+    if m.head_dim is None and m.hidden_size % m.num_attention_heads:
+        yield _err("head_dim", {"model.hidden_size": m.hidden_size, "model.num_attention_heads": m.num_attention_heads},
+                   "hidden size is not divisible by the number of heads",
+                   f"use heads in {{{_listing(_divisors(m.hidden_size))}}} or set model.head_dim")
+    kv = m.num_kv_heads or m.num_attention_heads
+    if m.num_attention_heads % kv:
+        yield _err("kv_heads", {"model.num_attention_heads": m.num_attention_heads, "model.num_kv_heads": kv},
+                   "each KV head must serve the same number of query heads (GQA groups)",
+                   f"use model.num_kv_heads in {{{_listing(_divisors(m.num_attention_heads))}}}")
+    if m.seq_length > m.max_position_embeddings:
+        yield _err("seq_length", {"model.seq_length": m.seq_length, "model.max_position_embeddings": m.max_position_embeddings},
+                   "training sequences are longer than the model supports",
+                   f"set model.seq_length<={m.max_position_embeddings} (or raise max_position_embeddings for a new model)")
+
+
+# ---------------------------------------------------------------- parallel layout
+def _parallel(cfg: Config) -> Iterator[Violation]:
+    m, p, c = cfg.model, cfg.parallel, cfg.cluster
+    world = world_size(cfg)
+    model_parallel = p.tp * p.pp * p.cp
+    fields = {"parallel.tp": p.tp, "parallel.pp": p.pp, "parallel.cp": p.cp, "cluster.nodes": c.nodes,
+              "cluster.gpus_per_node": c.gpus_per_node}
+    if p.dp is not None and p.dp * model_parallel != world:
+        fits = f"parallel.dp={world // model_parallel}" if world % model_parallel == 0 else "leave parallel.dp out"
+        yield _err("world_size", {**fields, "parallel.dp": p.dp},
+                   f"dp*tp*pp*cp = {p.dp * model_parallel} but the cluster has {world} devices",
+                   f"set {fits}, or size the cluster to {p.dp * model_parallel} devices")
+    elif world % model_parallel:
+        yield _err("world_size", fields,
+                   f"tp*pp*cp = {model_parallel} does not divide the {world} devices",
+                   f"use tp*pp*cp in {{{_listing(_divisors(world))}}}, or a cluster of a multiple of {model_parallel} devices")
+
+    kv = m.num_kv_heads or m.num_attention_heads
+    if m.num_attention_heads % p.tp or kv % p.tp:
+        good = [d for d in _divisors(kv) if m.num_attention_heads % d == 0]
+        yield _err("tp_heads", {"parallel.tp": p.tp, "model.num_attention_heads": m.num_attention_heads, "model.num_kv_heads": kv},
+                   "each tensor-parallel rank must hold whole attention heads and whole KV heads",
+                   f"use parallel.tp in {{{_listing(good)}}}")
+    if m.ffn_hidden_size % p.tp:
+        yield _err("tp_ffn", {"parallel.tp": p.tp, "model.ffn_hidden_size": m.ffn_hidden_size},
+                   "the MLP's columns do not split evenly across tensor-parallel ranks",
+                   f"use parallel.tp in {{{_listing(_divisors(m.ffn_hidden_size, 64))}}}")
+    if m.make_vocab_size_divisible_by == 0 and m.vocab_size % p.tp:
+        yield _err("vocab_tp", {"model.vocab_size": m.vocab_size, "parallel.tp": p.tp, "model.make_vocab_size_divisible_by": 0},
+                   "vocabulary padding is off and the embedding rows do not split evenly across tensor-parallel ranks",
+                   f"set model.make_vocab_size_divisible_by=128 (pads to {padded_vocab_size(m.vocab_size, 128, p.tp)})")
+    if p.tp > c.gpus_per_node:
+        yield _err("tp_in_node", {"parallel.tp": p.tp, "cluster.gpus_per_node": c.gpus_per_node},
+                   "tensor parallel communicates in every layer and must stay inside a node",
+                   f"use parallel.tp<={c.gpus_per_node} and add pipeline stages (parallel.pp) across nodes")
+    if p.sequence_parallel and p.tp == 1:
+        yield _err("sp_needs_tp", {"parallel.sequence_parallel": True, "parallel.tp": 1},
+                   "sequence parallel splits the tensor-parallel region's activations and needs tp > 1",
+                   "set parallel.sequence_parallel=false, or parallel.tp>=2")
+    if p.sequence_parallel and m.seq_length % p.tp:
+        yield _err("sp_seq", {"parallel.sequence_parallel": True, "model.seq_length": m.seq_length, "parallel.tp": p.tp},
+                   "sequence parallel needs the sequence length divisible by tp",
+                   f"use model.seq_length={m.seq_length - m.seq_length % p.tp or p.tp}")
+    if p.cp > 1 and m.seq_length % (2 * p.cp):
+        yield _err("cp_seq", {"parallel.cp": p.cp, "model.seq_length": m.seq_length},
+                   "context parallel splits each sequence into 2*cp load-balanced chunks",
+                   f"use a model.seq_length divisible by {2 * p.cp}")
+
+    stages = p.pp * p.vpp
+    if m.num_layers % stages:
+        pps = [d for d in _divisors(m.num_layers) if d * p.vpp <= m.num_layers and m.num_layers % (d * p.vpp) == 0]
+        fix = f"use parallel.pp in {{{_listing(pps)}}}" if pps else "use parallel.vpp=1"
+        if p.vpp > 1 and m.num_layers % p.pp == 0:
+            fix += f", or parallel.vpp in {{{_listing(_divisors(m.num_layers // p.pp))}}}"
+        yield _err("pp_layers", {"parallel.pp": p.pp, "parallel.vpp": p.vpp, "model.num_layers": m.num_layers},
+                   f"{m.num_layers} layers do not split into pp*vpp = {stages} equal model chunks", fix)
+    if p.vpp > 1 and p.pp == 1:
+        yield _err("vpp_needs_pp", {"parallel.vpp": p.vpp, "parallel.pp": 1},
+                   "the interleaved schedule interleaves pipeline stages and needs pp > 1",
+                   "set parallel.vpp=1, or parallel.pp>=2")
+
+
+# ---------------------------------------------------------------- batch split
+def _batch(cfg: Config) -> Iterator[Violation]:
+    t, p = cfg.train, cfg.parallel
+    dp = derived_dp(cfg)
+    if dp is None or dp < 1:
+        return  # reported by the world_size rule
+    per_step = t.micro_batch * dp
+    fields = {"train.global_batch": t.global_batch, "train.micro_batch": t.micro_batch, "parallel.dp": dp}
+    if t.global_batch % per_step:
+        lower = max(per_step, t.global_batch - t.global_batch % per_step)
+        micro = [d for d in _divisors(t.global_batch // dp) if d <= 64] if t.global_batch % dp == 0 else []
+        fix = f"use train.global_batch={lower} or {lower + per_step} (a multiple of micro_batch*dp = {per_step})"
+        if micro:
+            fix += f", or train.micro_batch in {{{_listing(micro)}}}"
+        yield _err("batch_split", fields, "global batch != micro_batch * dp * grad_accum for any whole grad_accum", fix)
+        return
+    accum = t.global_batch // per_step
+    if t.grad_accum is not None and t.grad_accum != accum:
+        yield _err("grad_accum", {**fields, "train.grad_accum": t.grad_accum},
+                   f"global_batch / (micro_batch * dp) = {accum} accumulation steps",
+                   f"set train.grad_accum={accum} or leave it out, or train.global_batch={t.grad_accum * per_step}")
+    if p.vpp > 1 and p.pp > 1 and accum % p.pp:
+        step = per_step * p.pp
+        yield _err("vpp_microbatches", {**fields, "parallel.pp": p.pp, "parallel.vpp": p.vpp},
+                   f"the interleaved schedule needs the {accum} micro-batches per step to be a multiple of pp={p.pp}",
+                   f"use train.global_batch={max(step, t.global_batch - t.global_batch % step)} or {t.global_batch - t.global_batch % step + step}")
+
+
+# ---------------------------------------------------------------- backend-specific support
+def _backend(cfg: Config) -> Iterator[Violation]:
+    z, p, b, r = cfg.zero, cfg.parallel, cfg.backend.name, cfg.recompute
+    if b == "deepspeed":
+        if z.stage >= 2 and p.pp > 1:
+            yield _err("zero_pipeline", {"zero.stage": z.stage, "parallel.pp": p.pp, "backend.name": b},
+                       "DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only",
+                       "use zero=1 with pipeline parallel, or parallel.pp=1 with ZeRO-2/3")
+        unsupported = {k: v for k, v in (("parallel.tp", p.tp), ("parallel.cp", p.cp), ("parallel.vpp", p.vpp)) if v > 1}
+        if p.sequence_parallel:
+            unsupported["parallel.sequence_parallel"] = True
+        if unsupported:
+            yield _err("deepspeed_layout", {**unsupported, "backend.name": b},
+                       "the deepspeed backend trains transformers models with DP, ZeRO and (non-interleaved) pipeline only",
+                       "use backend=megatron for tensor, context, sequence parallel and interleaving")
+        if cfg.precision.dtype == "fp8":
+            yield _err("fp8_backend", {"precision.dtype": "fp8", "backend.name": b},
+                       "FP8 training runs through Transformer Engine on the megatron backend", "use precision=bf16 or backend=megatron")
+        if r.granularity == "selective":
+            yield _err("recompute_backend", {"recompute.granularity": "selective", "backend.name": b},
+                       "transformers models checkpoint whole layers only", "use recompute=full or backend=megatron")
+    if b == "megatron":
+        if z.stage >= 2:
+            yield _err("zero_megatron", {"zero.stage": z.stage, "backend.name": b},
+                       "the megatron backend shards optimizer state across DP (distributed optimizer = zero=1) only",
+                       "use zero=1 on megatron, or backend=deepspeed for ZeRO-2/3")
+        if z.offload_optimizer != "none" or z.offload_param != "none":
+            yield _err("offload_backend", {"zero.offload_optimizer": z.offload_optimizer, "zero.offload_param": z.offload_param,
+                                           "backend.name": b},
+                       "offload is a DeepSpeed ZeRO feature here", "use backend=deepspeed, or zero.offload_*=none")
+    if z.offload_optimizer != "none" and z.stage == 0:
+        yield _err("offload_stage", {"zero.offload_optimizer": z.offload_optimizer, "zero.stage": 0},
+                   "optimizer offload partitions optimizer states and needs ZeRO >= 1", "use zero=2_offload, or zero.stage>=1")
+    if z.offload_param != "none" and z.stage != 3:
+        yield _err("offload_stage", {"zero.offload_param": z.offload_param, "zero.stage": z.stage},
+                   "parameter offload needs ZeRO-3 (parameters partitioned)", "use zero=3_offload, or zero.offload_param=none")
+    if "nvme" in (z.offload_optimizer, z.offload_param) and not z.nvme_path:
+        yield _err("offload_nvme", {"zero.nvme_path": z.nvme_path}, "NVMe offload needs a local NVMe folder",
+                   "set zero.nvme_path=/local_nvme/ds_offload")
+
+
+# ---------------------------------------------------------------- precision and hardware
+def _precision(cfg: Config) -> Iterator[Violation]:
+    dtype, c, pr = cfg.precision.dtype, cfg.cluster, cfg.precision
+    if dtype == "fp16" and pr.loss_scaling == "none":
+        yield _err("fp16_loss_scale", {"precision.dtype": "fp16", "precision.loss_scaling": "none"},
+                   "fp16 gradients underflow without loss scaling (Micikevicius et al. 2018)",
+                   "set precision.loss_scaling=dynamic, or precision=bf16")
+    if dtype == "fp16" and c.device == "cpu":
+        yield _err("fp16_cpu", {"precision.dtype": "fp16", "cluster.device": "cpu"},
+                   "fp16 training is not supported on CPU (DeepSpeed refuses it, torch lacks fast fp16 GEMMs)",
+                   "use precision=bf16 or precision=fp32 on CPU")
+    peak = {"bf16": c.peak_tflops_bf16, "fp8": c.peak_tflops_fp8, "fp16": c.peak_tflops_fp16}.get(dtype)
+    if peak is not None and peak <= 0 and not (dtype == "fp16" and c.device == "cpu"):
+        alternative = "precision=fp16" if dtype == "bf16" and c.peak_tflops_fp16 > 0 else "precision=bf16" if c.peak_tflops_bf16 > 0 else "precision=fp32"
+        yield _err("dtype_hardware", {"precision.dtype": dtype, "cluster.gpu": c.gpu, f"cluster.peak_tflops_{dtype}": peak},
+                   f"this hardware has no {dtype} support", f"use {alternative}")
+
+
+# ---------------------------------------------------------------- recompute and optimizer
+def _recompute(cfg: Config) -> Iterator[Violation]:
+    r, m, p = cfg.recompute, cfg.model, cfg.parallel
+    if r.granularity != "full" or m.num_layers % (p.pp * p.vpp):
+        return
+    per_chunk = m.num_layers // (p.pp * p.vpp)
+    fields = {"recompute.method": r.method, "recompute.num_layers": r.num_layers, "layers per model chunk": per_chunk}
+    if r.num_layers < 1:
+        yield _err("recompute_layers", fields, "full recompute needs at least one layer per checkpoint", "set recompute.num_layers=1")
+    elif r.method == "uniform" and per_chunk % r.num_layers:
+        yield _err("recompute_layers", fields, "uniform recompute checkpoints groups of num_layers, which must tile each chunk",
+                   f"use recompute.num_layers in {{{_listing(_divisors(per_chunk))}}}")
+    elif r.method == "block" and r.num_layers > per_chunk:
+        yield _err("recompute_layers", fields, "block recompute cannot recompute more layers than a chunk holds",
+                   f"use recompute.num_layers<={per_chunk}")
+
+
+def _optim(cfg: Config) -> Iterator[Violation]:
+    o = cfg.optim
+    if o.min_lr > o.lr:
+        yield _err("min_lr", {"optim.lr": o.lr, "optim.min_lr": o.min_lr}, "the decay would raise the learning rate",
+                   f"set optim.min_lr<={o.lr} (e.g. {o.lr / 10:g})")
+    if o.lr_scaling != "none" and not o.reference_global_batch:
+        yield _err("lr_reference", {"optim.lr_scaling": o.lr_scaling, "optim.reference_global_batch": o.reference_global_batch},
+                   "a rescaling rule needs the batch the learning rate was tuned at",
+                   f"set optim.reference_global_batch to that batch (e.g. {cfg.train.global_batch})")
+
+
+# ---------------------------------------------------------------- slow-but-valid layouts
+def _warnings(cfg: Config, layout: Layout) -> Iterator[Violation]:
+    p, c, o, t, ch = cfg.parallel, cfg.cluster, cfg.optim, cfg.train, cfg.checks
+    m = layout.num_microbatches
+    if p.pp > 1:
+        bubble = bubble_fraction(p.pp, p.vpp, m)
+        if bubble > ch.max_bubble_fraction:
+            need = -(-(p.pp - 1) // (p.vpp * ch.max_bubble_fraction))
+            yield _warn("bubble", {"parallel.pp": p.pp, "parallel.vpp": p.vpp, "micro-batches": m},
+                        f"pipeline bubble (pp-1)/(vpp*m) = {bubble:.0%} of the step is idle (threshold {ch.max_bubble_fraction:.0%})",
+                        f"raise train.global_batch so that m >= {need} (global_batch >= {need * t.micro_batch * layout.dp}), "
+                        "lower train.micro_batch, or raise parallel.vpp")
+        if m < ch.min_microbatches_per_stage * p.pp:
+            yield _warn("few_microbatches", {"micro-batches": m, "parallel.pp": p.pp},
+                        f"fewer than {ch.min_microbatches_per_stage}*pp micro-batches per step keep the pipeline mostly filling and draining",
+                        f"raise train.global_batch to {ch.min_microbatches_per_stage * p.pp * t.micro_batch * layout.dp} or lower train.micro_batch")
+    if p.tp <= c.gpus_per_node and c.gpus_per_node % p.tp and c.nodes > 1:
+        yield _warn("tp_spans_nodes", {"parallel.tp": p.tp, "cluster.gpus_per_node": c.gpus_per_node},
+                    "some tensor-parallel groups straddle two nodes and talk over the slow inter-node network",
+                    f"use parallel.tp in {{{_listing(_divisors(c.gpus_per_node))}}}")
+    if p.tp & (p.tp - 1):
+        yield _warn("tp_power_of_two", {"parallel.tp": p.tp},
+                    "tensor parallel degrees that are not powers of two give odd GEMM shapes and unbalanced NVLink traffic",
+                    "use parallel.tp in {1, 2, 4, 8}")
+    if o.reference_global_batch and o.reference_global_batch != t.global_batch and o.lr_scaling == "none":
+        yield _warn("lr_not_rescaled", {"train.global_batch": t.global_batch, "optim.reference_global_batch": o.reference_global_batch,
+                                        "optim.lr_scaling": "none"},
+                    "the global batch changed but the learning rate and warmup did not",
+                    "set optim.lr_scaling=sqrt (Adam) or linear (SGD), or retune optim.lr and optim.warmup_steps")
+    if layout.warmup_steps >= layout.steps:
+        yield _warn("warmup", {"optim.warmup_steps": layout.warmup_steps, "steps": layout.steps},
+                    "the run ends before the learning-rate warmup does", f"set optim.warmup_steps<={max(1, layout.steps // 10)}")
+
+
+_ERROR_RULES: tuple[Callable[[Config], Iterator[Violation]], ...] = (_model, _parallel, _batch, _backend, _precision, _recompute, _optim)
+
+
+def validate(cfg: Config) -> Report:
+    """Every error and warning of `cfg`, at once."""
+    errors = list(_ranges(cfg))
+    if not any(e.rule == "range" for e in errors):  # the other rules divide by these values
+        for rule in _ERROR_RULES:
+            errors.extend(rule(cfg))
+    warnings = [] if errors else list(_warnings(cfg, resolve(cfg)))
+    return Report(tuple(errors), tuple(warnings))
+
+
+def check(cfg: Config) -> tuple[Layout, Report]:
+    """The resolved layout and the report's warnings; raises `ValidationError` on errors."""
+    report = validate(cfg)
+    if not report.ok:
+        raise ValidationError(report)
+    return resolve(cfg), report

@@ -1,0 +1,1 @@
+"""The trainer: backends, data, checkpoints, metrics, faults."""
