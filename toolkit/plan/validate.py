@@ -179,10 +179,12 @@ def _parallel(cfg: Config) -> Iterator[Violation]:
                    f"use tp*pp*cp in {{{_listing(_divisors(world))}}}, or a cluster of a multiple of {model_parallel} devices")
 
     kv = m.num_kv_heads or m.num_attention_heads
-    if m.num_attention_heads % p.tp or kv % p.tp:
-        good = [d for d in _divisors(kv) if m.num_attention_heads % d == 0]
+    # megatron-core TransformerConfig: heads % tp == 0, and KV heads either split evenly
+    # (kv % tp == 0) or are replicated evenly (tp % kv == 0).
+    if m.num_attention_heads % p.tp or (kv % p.tp and p.tp % kv):
+        good = [d for d in _divisors(m.num_attention_heads) if kv % d == 0 or d % kv == 0]
         yield _err("tp_heads", {"parallel.tp": p.tp, "model.num_attention_heads": m.num_attention_heads, "model.num_kv_heads": kv},
-                   "each tensor-parallel rank must hold whole attention heads and whole KV heads",
+                   "each tensor-parallel rank must hold whole attention heads, and KV heads must split or replicate evenly",
                    f"use parallel.tp in {{{_listing(good)}}}")
     if m.ffn_hidden_size % p.tp:
         yield _err("tp_ffn", {"parallel.tp": p.tp, "model.ffn_hidden_size": m.ffn_hidden_size},

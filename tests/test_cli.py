@@ -1,0 +1,94 @@
+"""`parakit validate|generate` as a user runs it: exit codes, messages, the five files."""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+from omegaconf import OmegaConf
+from upstream import deepspeed_accepts, megatron_accepts
+
+from toolkit.config.schema import Config
+from toolkit.config.store import conf_dir
+from toolkit.emit.files import GENERATED
+
+FLAGS = {line for line in (Path(__file__).parent / "data" / "megatron_lm_flags.txt").read_text().split() if line.startswith("--")}
+
+
+def parakit(*args, cwd):
+    return subprocess.run([sys.executable, "-m", "toolkit.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+
+
+def test_validate_ok_and_writes_nothing(tmp_path):
+    result = parakit("validate", "recipe=tiny_cpu_demo", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert "tp=2 pp=2 vpp=2" in result.stdout and "valid" in result.stdout
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_validate_reports_every_error_with_fix_and_exits_2(tmp_path):
+    result = parakit("validate", "model=llama3_8b", "parallel.tp=3", "parallel.pp=5", cwd=tmp_path)
+    assert result.returncode == 2
+    for rule in ("world_size", "tp_heads", "tp_ffn", "pp_layers"):
+        assert f"[{rule}]" in result.stderr
+    assert "Fix: use parallel.pp in {1, 2, 4, 8, 16, 32}" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize("override", ["parallel.tp=abc", "parallel.bogus=1", "model=nope", "zero=7"])
+def test_composition_errors_name_the_field_without_traceback(tmp_path, override):
+    result = parakit("validate", override, cwd=tmp_path)
+    assert result.returncode == 1
+    assert override.split("=")[0].split(".")[-1] in result.stderr
+    assert "Traceback" not in result.stderr
+
+
+def test_generate_invalid_writes_no_files(tmp_path):
+    result = parakit("generate", "parallel.tp=3", "hydra.run.dir=out", cwd=tmp_path)
+    assert result.returncode == 2
+    assert not any((tmp_path / "out" / name).exists() for name in GENERATED)
+
+
+RECIPES = sorted(p.stem for p in (conf_dir() / "recipe").glob("*.yaml"))
+
+
+@pytest.mark.parametrize("recipe", RECIPES)
+def test_generate_recipe_writes_five_files_upstream_accepts(tmp_path, recipe):
+    result = parakit("generate", f"recipe={recipe}", "hydra.run.dir=run", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    run = tmp_path / "run"
+    assert all((run / name).is_file() for name in GENERATED)
+
+    # config.yaml is the resolved configuration and still fits the schema
+    resolved = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run / "config.yaml")))
+    dp, accum = resolved.parallel.dp, resolved.train.grad_accum
+    assert resolved.train.global_batch == resolved.train.micro_batch * dp * accum
+
+    ds = json.loads((run / "deepspeed.json").read_text())
+    assert deepspeed_accepts(ds, dp=dp).train_batch_size == resolved.train.global_batch
+
+    sections = yaml.safe_load((run / "megatron.yaml").read_text())
+    transformer, optimizer, ddp = megatron_accepts(sections)
+    assert transformer.num_layers == resolved.model.num_layers
+    assert sections["training"]["num_microbatches"] == accum
+
+    args = (run / "megatron_args.txt").read_text().split("\n")
+    unknown = {a.split()[0] for a in args if a} - FLAGS
+    assert not unknown, f"flags Megatron-LM does not define: {unknown}"
+    assert f"--global-batch-size {resolved.train.global_batch}" in args
+
+    launch = run / "launch.sh"
+    assert subprocess.run(["bash", "-n", str(launch)]).returncode == 0
+    text = launch.read_text()
+    if resolved.cluster.nodes > 1:
+        assert f"#SBATCH --nodes={resolved.cluster.nodes}" in text and "srun" in text and "--rdzv-backend c10d" in text
+    else:
+        assert f"torchrun --standalone --nnodes 1 --nproc-per-node {resolved.cluster.gpus_per_node}" in text
+
+
+def test_multirun_sweeps_zero_stages(tmp_path):
+    result = parakit("generate", "-m", "backend=deepspeed", "zero=0,1,2,3", "hydra.sweep.dir=sweep", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    stages = sorted(json.loads(p.read_text())["zero_optimization"]["stage"] for p in (tmp_path / "sweep").glob("*/deepspeed.json"))
+    assert stages == [0, 1, 2, 3]

@@ -1,0 +1,71 @@
+"""The generated configurations are accepted by DeepSpeed's and megatron-core's own classes,
+over a broad matrix of models x layouts x ZeRO x precision x recompute x backend."""
+import dataclasses
+import itertools
+import logging
+
+import pytest
+from upstream import deepspeed_accepts, megatron_accepts
+
+from toolkit.emit.deepspeed import deepspeed_config
+from toolkit.emit.megatron import megatron_sections
+from toolkit.plan.layout import resolve
+from toolkit.plan.validate import validate
+
+logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
+
+# (tp, pp, vpp, cp, sequence_parallel)
+GPU_LAYOUTS = [(1, 1, 1, 1, False), (8, 1, 1, 1, True), (4, 4, 1, 1, True), (8, 4, 2, 1, True), (2, 2, 2, 2, False),
+               (8, 8, 1, 1, True), (2, 1, 1, 1, False), (1, 2, 1, 1, False)]
+CPU_LAYOUTS = [(1, 1, 1, 1, False), (2, 1, 1, 1, False), (2, 2, 2, 1, False), (1, 4, 2, 1, False), (1, 2, 1, 2, False),
+               (4, 1, 1, 1, True)]
+ZERO = [(0, "none", "none"), (1, "none", "none"), (2, "none", "none"), (3, "none", "none"), (2, "cpu", "none"), (3, "cpu", "cpu")]
+PRECISION = ["fp32", "bf16", "fp16", "fp8"]
+RECOMPUTE = ["none", "selective", "full"]
+BACKEND = ["megatron", "deepspeed"]
+MODELS = [("tiny", "cpu"), ("gpt2_124m", "h100_cluster"), ("llama3_1b", "h100_cluster"), ("llama3_8b", "h100_cluster"),
+          ("llama3_70b", "h100_cluster"), ("llama3_405b", "h100_cluster"), ("gpt3_175b", "a100_cluster")]
+
+
+def variants(base):
+    layouts = CPU_LAYOUTS if base.cluster.device == "cpu" else GPU_LAYOUTS
+    for (tp, pp, vpp, cp, sp), (stage, off_opt, off_par), dtype, recompute, backend in itertools.product(
+            layouts, ZERO, PRECISION, RECOMPUTE, BACKEND):
+        yield dataclasses.replace(
+            base,
+            parallel=dataclasses.replace(base.parallel, tp=tp, pp=pp, vpp=vpp, cp=cp, sequence_parallel=sp),
+            zero=dataclasses.replace(base.zero, stage=stage, offload_optimizer=off_opt, offload_param=off_par),
+            precision=dataclasses.replace(base.precision, dtype=dtype),
+            recompute=dataclasses.replace(base.recompute, granularity=recompute),
+            backend=dataclasses.replace(base.backend, name=backend),
+        )
+
+
+@pytest.mark.parametrize("model,cluster", MODELS, ids=[m for m, _ in MODELS])
+def test_upstream_accepts_every_valid_composition(compose, model, cluster):
+    base = compose(f"model={model}", f"cluster={cluster}", "train=pretrain", "train.global_batch=1024",
+                   "optim.warmup_steps=100", "model.seq_length=1024" if model != "tiny" else "model.seq_length=128")
+    accepted = 0
+    for cfg in variants(base):
+        if not validate(cfg).ok:
+            continue
+        accepted += 1
+        layout = resolve(cfg)
+        ds = deepspeed_accepts(deepspeed_config(cfg, layout), dp=layout.dp, mp=layout.tp * layout.pp)
+        assert ds.train_batch_size == layout.global_batch
+        assert ds.train_micro_batch_size_per_gpu == layout.micro_batch
+        assert ds.gradient_accumulation_steps == layout.grad_accum
+        assert ds.zero_optimization_stage == cfg.zero.stage
+        assert ds.bfloat16_config.enabled == (cfg.precision.dtype == "bf16")
+        assert ds.float16_config.enabled == (cfg.precision.dtype == "fp16")
+
+        transformer, optimizer, ddp = megatron_accepts(megatron_sections(cfg, layout))
+        assert transformer.tensor_model_parallel_size == layout.tp
+        assert transformer.pipeline_model_parallel_size == layout.pp
+        assert (transformer.virtual_pipeline_model_parallel_size or 1) == layout.vpp
+        assert transformer.num_query_groups == (cfg.model.num_kv_heads or cfg.model.num_attention_heads)
+        assert transformer.recompute_granularity == (None if cfg.recompute.granularity == "none" else cfg.recompute.granularity)
+        assert optimizer.use_distributed_optimizer == ddp.use_distributed_optimizer == (cfg.zero.stage == 1)
+        assert optimizer.lr == pytest.approx(layout.lr)
+    # the matrix must exercise the upstream classes, not just the validator
+    assert accepted >= 50, accepted

@@ -1,0 +1,131 @@
+"""Each validator rule: a case it rejects (naming the field and a fix) and a neighbouring case it
+accepts. The base configuration is conf/config.yaml's default (tiny model, 4 CPU ranks)."""
+import pytest
+
+from toolkit.plan.validate import ValidationError, check, validate
+
+H100 = "cluster=8xh100"
+DS = "backend=deepspeed"
+
+# rule, overrides it rejects, neighbouring overrides it accepts, a field the message must name
+ERROR_CASES = [
+    ("world_size", ["parallel.dp=3"], ["parallel.dp=4"], "parallel.dp"),
+    ("world_size", ["cluster.gpus_per_node=3", "parallel.tp=2"], ["cluster.gpus_per_node=4", "parallel.tp=2"], "parallel.tp"),
+    ("tp_heads", ["model.num_attention_heads=6", "model.num_kv_heads=6", "model.hidden_size=96", "parallel.tp=4"],
+     ["model.num_attention_heads=6", "model.num_kv_heads=6", "model.hidden_size=96", "parallel.tp=2"], "model.num_attention_heads"),
+    ("tp_heads", ["model.num_attention_heads=12", "model.num_kv_heads=3", "model.hidden_size=96", "parallel.tp=4"],
+     ["model.num_attention_heads=12", "model.num_kv_heads=4", "model.hidden_size=96", "parallel.tp=4"], "model.num_kv_heads"),
+    ("tp_ffn", ["model.ffn_hidden_size=190", "parallel.tp=4"], ["model.ffn_hidden_size=192", "parallel.tp=4"], "model.ffn_hidden_size"),
+    ("vocab_tp", ["model.make_vocab_size_divisible_by=0", "parallel.tp=2"],
+     ["model.make_vocab_size_divisible_by=128", "parallel.tp=2"], "model.vocab_size"),
+    ("tp_in_node", ["cluster.nodes=2", "cluster.gpus_per_node=2", "parallel.tp=4"],
+     ["cluster.nodes=2", "cluster.gpus_per_node=2", "parallel.tp=2"], "cluster.gpus_per_node"),
+    ("sp_needs_tp", ["parallel.sequence_parallel=true"], ["parallel.sequence_parallel=true", "parallel.tp=2"],
+     "parallel.sequence_parallel"),
+    ("sp_seq", ["parallel.sequence_parallel=true", "parallel.tp=4", "model.seq_length=126"],
+     ["parallel.sequence_parallel=true", "parallel.tp=4", "model.seq_length=128"], "model.seq_length"),
+    ("cp_seq", ["parallel.cp=2", "model.seq_length=126"], ["parallel.cp=2", "model.seq_length=128"], "parallel.cp"),
+    ("pp_layers", ["parallel.pp=4", "model.num_layers=6"], ["parallel.pp=4", "model.num_layers=8"], "model.num_layers"),
+    ("pp_layers", ["parallel.pp=2", "parallel.vpp=4", "model.num_layers=12"],
+     ["parallel.pp=2", "parallel.vpp=3", "model.num_layers=12"], "parallel.vpp"),
+    ("vpp_needs_pp", ["parallel.vpp=2"], ["parallel.vpp=2", "parallel.pp=2"], "parallel.vpp"),
+    ("vpp_microbatches", ["parallel.pp=4", "parallel.vpp=2", "train.global_batch=12"],
+     ["parallel.pp=4", "parallel.vpp=2", "train.global_batch=16"], "train.global_batch"),
+    ("batch_split", ["train.global_batch=15"], ["train.global_batch=16"], "train.micro_batch"),
+    ("grad_accum", ["train.grad_accum=3"], ["train.grad_accum=2"], "train.grad_accum"),
+    ("zero_pipeline", [DS, "zero=2", "parallel.pp=2"], [DS, "zero=1", "parallel.pp=2"], "zero.stage"),
+    ("deepspeed_layout", [DS, "parallel.tp=2"], ["backend=megatron", "parallel.tp=2"], "parallel.tp"),
+    ("fp8_backend", [DS, "precision=fp8", H100], ["backend=megatron", "precision=fp8", H100], "precision.dtype"),
+    ("recompute_backend", [DS, "recompute=selective"], [DS, "recompute=full"], "recompute.granularity"),
+    ("zero_megatron", ["zero=2"], ["zero=2", DS], "zero.stage"),
+    ("offload_backend", ["zero=2_offload"], ["zero=2_offload", DS], "zero.offload_optimizer"),
+    ("offload_stage", [DS, "zero=0", "zero.offload_optimizer=cpu"], [DS, "zero=1", "zero.offload_optimizer=cpu"], "zero.stage"),
+    ("offload_stage", [DS, "zero=2", "zero.offload_param=cpu"], [DS, "zero=3", "zero.offload_param=cpu"], "zero.offload_param"),
+    ("offload_nvme", [DS, "zero=3", "zero.offload_param=nvme"], [DS, "zero=3", "zero.offload_param=nvme", "zero.nvme_path=/nvme"],
+     "zero.nvme_path"),
+    ("fp16_loss_scale", [H100, "precision=fp16", "precision.loss_scaling=none"], [H100, "precision=fp16"], "precision.loss_scaling"),
+    ("fp16_cpu", ["precision=fp16"], ["precision=bf16"], "cluster.device"),
+    ("dtype_hardware", ["cluster=v100_cluster", "cluster.nodes=1", "precision=bf16"],
+     ["cluster=v100_cluster", "cluster.nodes=1", "precision=fp16"], "precision.dtype"),
+    ("dtype_hardware", ["cluster=a100_cluster", "cluster.nodes=1", "precision=fp8"],
+     ["cluster=h100_cluster", "cluster.nodes=1", "precision=fp8"], "cluster.gpu"),
+    ("seq_length", ["model.seq_length=512"], ["model.seq_length=256"], "model.max_position_embeddings"),
+    ("recompute_layers", ["recompute=full", "recompute.num_layers=3"], ["recompute=full", "recompute.num_layers=2"],
+     "recompute.num_layers"),
+    ("recompute_layers", ["recompute=full", "recompute.method=block", "recompute.num_layers=9"],
+     ["recompute=full", "recompute.method=block", "recompute.num_layers=8"], "recompute.method"),
+    ("min_lr", ["optim.min_lr=1e-2"], ["optim.min_lr=1e-5"], "optim.min_lr"),
+    ("lr_reference", ["optim.lr_scaling=sqrt"], ["optim.lr_scaling=sqrt", "optim.reference_global_batch=8"],
+     "optim.reference_global_batch"),
+    ("head_dim", ["model.hidden_size=66"], ["model.hidden_size=66", "model.head_dim=16"], "model.hidden_size"),
+    ("kv_heads", ["model.num_kv_heads=3"], ["model.num_kv_heads=2"], "model.num_kv_heads"),
+    ("range", ["parallel.tp=0"], ["parallel.tp=1"], "parallel.tp"),
+    ("range", ["optim.lr=-1"], ["optim.lr=1e-3"], "optim.lr"),
+    ("choice", ["precision.dtype=fp12"], ["precision.dtype=fp32"], "precision.dtype"),
+    ("choice", ["zero.stage=4"], ["zero.stage=3", DS], "zero.stage"),
+    ("train_length", ["train.steps=null"], ["train.steps=null", "train.tokens=100000"], "train.tokens"),
+]
+
+WARNING_CASES = [
+    ("bubble", ["parallel.pp=4", "train.global_batch=8"], ["parallel.pp=4", "train.global_batch=64"], "parallel.pp"),
+    ("few_microbatches", ["parallel.pp=2", "train.global_batch=6", "train.micro_batch=1"],
+     ["parallel.pp=2", "train.global_batch=16", "train.micro_batch=1"], "micro-batches"),
+    ("tp_spans_nodes", ["cluster.nodes=2", "cluster.gpus_per_node=6", "parallel.tp=4", "train.global_batch=12", "train.micro_batch=1"],
+     ["cluster.nodes=2", "cluster.gpus_per_node=6", "parallel.tp=2", "train.global_batch=12", "train.micro_batch=1"], "parallel.tp"),
+    ("tp_power_of_two",
+     ["model.num_attention_heads=6", "model.num_kv_heads=6", "model.hidden_size=96", "cluster.gpus_per_node=6", "parallel.tp=3",
+      "train.global_batch=12", "train.micro_batch=1"],
+     ["model.num_attention_heads=6", "model.num_kv_heads=6", "model.hidden_size=96", "cluster.gpus_per_node=6", "parallel.tp=2",
+      "train.global_batch=12", "train.micro_batch=1"], "parallel.tp"),
+    ("lr_not_rescaled", ["optim.reference_global_batch=32"], ["optim.reference_global_batch=32", "optim.lr_scaling=sqrt"],
+     "optim.lr_scaling"),
+    ("warmup", ["optim.warmup_steps=40"], ["optim.warmup_steps=10"], "optim.warmup_steps"),
+]
+
+
+def _case_id(case):
+    return f"{case[0]}:{' '.join(case[1])}"
+
+
+@pytest.mark.parametrize("rule,bad,good,field", ERROR_CASES, ids=map(_case_id, ERROR_CASES))
+def test_error_rule_rejects_with_field_and_fix(compose, rule, bad, good, field):
+    report = validate(compose(*bad))
+    hits = [v for v in report.errors if v.rule == rule]
+    assert hits, f"{rule} not reported for {bad}: {report}"
+    text = str(hits[0])
+    assert field in text
+    assert "Fix: " in text and len(text.split("Fix: ", 1)[1]) > 5
+    with pytest.raises(ValidationError) as raised:
+        check(compose(*bad))
+    assert rule in str(raised.value)
+
+    neighbour = validate(compose(*good))
+    assert neighbour.ok, f"neighbour {good} rejected: {neighbour}"
+
+
+@pytest.mark.parametrize("rule,bad,good,field", WARNING_CASES, ids=map(_case_id, WARNING_CASES))
+def test_warning_rule_flags_slow_layout_with_fix(compose, rule, bad, good, field):
+    report = validate(compose(*bad))
+    assert report.ok, report  # valid, only slow
+    hits = [v for v in report.warnings if v.rule == rule]
+    assert hits, f"{rule} not warned for {bad}: {report}"
+    assert field in str(hits[0]) and "Fix: " in str(hits[0])
+    assert rule not in {v.rule for v in validate(compose(*good)).warnings}
+
+
+def test_all_violations_reported_at_once(compose):
+    report = validate(compose("model=llama3_8b", "cluster=h100_cluster", "parallel.tp=3", "parallel.pp=5",
+                              "precision=fp16", "precision.loss_scaling=none", "backend=deepspeed", "zero=3"))
+    rules = {v.rule for v in report.errors}
+    assert {"world_size", "tp_heads", "tp_ffn", "pp_layers", "zero_pipeline", "deepspeed_layout", "fp16_loss_scale"} <= rules
+
+
+def test_every_recipe_is_valid(compose):
+    from toolkit.config.store import conf_dir
+
+    recipes = sorted(p.stem for p in (conf_dir() / "recipe").glob("*.yaml"))
+    assert len(recipes) >= 5
+    for name in recipes:
+        cfg = compose(f"recipe={name}")
+        assert cfg.description, name
+        assert validate(cfg).ok, (name, validate(cfg))
