@@ -18,11 +18,18 @@ if [[ ! -f "$STAMP" ]]; then
   fi
   [[ -d "$VENV" ]] || "$PY" -m venv "${venv_args[@]}" "$VENV"
   PIP=("$VENV/bin/python" -m pip --disable-pip-version-check -q)
-  "${PIP[@]}" install --upgrade "pip>=24" -c "$ROOT/constraints.txt" >&2
-  if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
-    "${PIP[@]}" install -c "$ROOT/constraints.txt" torch==2.13.0 >&2
+  CONSTRAINTS="$ROOT/constraints.txt"
+  if [[ ${#venv_args[@]} -gt 0 ]]; then
+    # Pin torch to the system's build so that no dependency pulls another one.
+    CONSTRAINTS="$VENV/constraints.txt"
+    torch_version="$("$PY" -c 'import torch; print(torch.__version__)')"
+    sed "s/^torch==.*/torch==${torch_version}/" "$ROOT/constraints.txt" > "$CONSTRAINTS"
   fi
-  "${PIP[@]}" install -c "$ROOT/constraints.txt" numpy "packaging>=24.2" psutil >&2
+  "${PIP[@]}" install --upgrade "pip>=24" -c "$CONSTRAINTS" >&2
+  if ! "$VENV/bin/python" -c "import torch" 2>/dev/null; then
+    "${PIP[@]}" install -c "$CONSTRAINTS" torch==2.13.0 >&2
+  fi
+  "${PIP[@]}" install -c "$CONSTRAINTS" numpy "packaging>=24.2" psutil >&2
   # megatron-core 0.19.2 declares Requires-Python>=3.12 but ships a working cp311 wheel;
   # install that wheel without the metadata check (see shared reference notes).
   if ! "$VENV/bin/python" -c "import importlib.metadata as m; assert m.version('megatron-core')=='0.19.2'" 2>/dev/null; then
@@ -31,7 +38,7 @@ if [[ ! -f "$STAMP" ]]; then
     "${PIP[@]}" install --no-deps --ignore-requires-python "$dl"/megatron_core-0.19.2-*.whl >&2
     rm -rf "$dl"
   fi
-  "${PIP[@]}" install -c "$ROOT/constraints.txt" -e "$ROOT[dev]" >&2
+  "${PIP[@]}" install -c "$CONSTRAINTS" -e "$ROOT[dev]" >&2
   touch "$STAMP"
   echo "[parakit setup] done" >&2
 fi
