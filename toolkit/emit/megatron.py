@@ -130,7 +130,8 @@ def _gpt_model(cfg: Config, layout: Layout) -> dict:
     m = cfg.model
     return {
         "vocab_size": layout.padded_vocab_size,
-        "max_sequence_length": m.seq_length,
+        # Megatron-LM passes --max-position-embeddings here (the learned position table's size).
+        "max_sequence_length": m.max_position_embeddings,
         "position_embedding_type": m.position_embedding,
         "rotary_base": m.rotary_base,
         "share_embeddings_and_output_weights": m.tie_embeddings,

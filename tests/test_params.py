@@ -1,0 +1,59 @@
+"""Exact parameter counts equal those of the real model objects: megatron-core GPTModel (built
+on the meta device in a fake process group, per pipeline stage and tensor-parallel shard) and the
+transformers model of the same config."""
+import pytest
+import torch
+from megatron_meta import megatron_rank_params
+
+from toolkit.interop.hf import hf_config
+from toolkit.plan.layout import padded_vocab_size
+from toolkit.plan.params import hf_model_params, model_params, stage_params
+
+# model -> (tp, pp, vpp) layouts that split it evenly
+LAYOUTS = {
+    "tiny": [(1, 1, 1), (2, 2, 2), (4, 1, 1), (1, 4, 2)],
+    "gpt2_124m": [(1, 1, 1), (2, 2, 1), (4, 3, 1), (2, 2, 3)],
+    "llama3_1b": [(1, 1, 1), (8, 2, 1), (4, 2, 2)],
+    "llama3_8b": [(1, 1, 1), (8, 4, 1), (2, 4, 2)],
+    "llama3_70b": [(1, 1, 1), (8, 4, 5)],
+    "llama3_405b": [(1, 1, 1), (8, 7, 3)],
+    "gpt3_175b": [(1, 1, 1), (8, 8, 1), (8, 4, 3)],
+}
+CASES = [(model, *layout) for model, layouts in LAYOUTS.items() for layout in layouts]
+
+
+def test_every_conf_model_is_covered():
+    from toolkit.config.store import conf_dir
+
+    assert {p.stem for p in (conf_dir() / "model").glob("*.yaml")} == set(LAYOUTS)
+
+
+@pytest.mark.parametrize("model,tp,pp,vpp", CASES, ids=[f"{m}-tp{t}-pp{p}-vpp{v}" for m, t, p, v in CASES])
+def test_stage_params_equal_megatron_gptmodel(compose, model, tp, pp, vpp):
+    cfg = compose(f"model={model}")
+    padded = padded_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by, tp)
+    for stage in range(pp):
+        real = megatron_rank_params(cfg, tp, pp, vpp, stage)
+        planned = stage_params(cfg.model, padded, tp, pp, stage)
+        assert planned.total == real["total"], (stage, planned, real)
+        assert planned.embedding == real["embedding"] and planned.output == real["output"], (stage, planned, real)
+
+
+@pytest.mark.parametrize("model", sorted(LAYOUTS))
+def test_model_params_equal_transformers_model(compose, model):
+    from transformers import AutoModelForCausalLM
+
+    m = compose(f"model={model}").model
+    with torch.device("meta"):
+        hf = AutoModelForCausalLM.from_config(hf_config(m))
+    assert hf_model_params(m) == sum(p.numel() for p in hf.parameters())
+
+
+def test_sum_over_shards_is_the_padded_model(compose):
+    """Tensor shards add up to the whole model, except the replicated norms and row biases."""
+    m = compose("model=gpt2_124m").model
+    padded = padded_vocab_size(m.vocab_size, 128, 1)
+    whole = stage_params(m, padded, 1, 1, 0).total
+    assert whole == model_params(m, padded)
+    shards = sum(s.total for s in [stage_params(m, padded, 1, 2, st) for st in range(2)])
+    assert shards == whole + padded * m.hidden_size  # the tied output layer's copy on the last stage

@@ -1,0 +1,1 @@
+"""Hugging Face transformers configs and weights."""

@@ -1,0 +1,27 @@
+"""The Hugging Face transformers config of a parakit model (same architecture, unpadded vocab)."""
+from __future__ import annotations
+
+from toolkit.config.schema import ModelConfig
+
+
+def hf_config(m: ModelConfig):
+    """A transformers PretrainedConfig: LlamaConfig for the llama family, GPT2Config for gpt2."""
+    if m.family == "gpt2":
+        from transformers import GPT2Config
+
+        return GPT2Config(
+            vocab_size=m.vocab_size, n_positions=m.max_position_embeddings, n_embd=m.hidden_size, n_layer=m.num_layers,
+            n_head=m.num_attention_heads, n_inner=m.ffn_hidden_size, layer_norm_epsilon=m.norm_epsilon,
+            resid_pdrop=m.hidden_dropout, embd_pdrop=m.hidden_dropout, attn_pdrop=m.attention_dropout,
+            initializer_range=m.init_method_std, tie_word_embeddings=m.tie_embeddings)
+    from transformers import LlamaConfig
+
+    return LlamaConfig(
+        vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
+        num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+        num_key_value_heads=m.num_kv_heads or m.num_attention_heads,
+        head_dim=m.head_dim or m.hidden_size // m.num_attention_heads,
+        max_position_embeddings=m.max_position_embeddings, rms_norm_eps=m.norm_epsilon,
+        rope_parameters={"rope_type": "default", "rope_theta": m.rotary_base},
+        attention_bias=m.add_bias_linear, mlp_bias=m.add_bias_linear, attention_dropout=m.attention_dropout,
+        initializer_range=m.init_method_std, tie_word_embeddings=m.tie_embeddings)

@@ -1,0 +1,37 @@
+"""megatron-core GPTModel chunks for this rank, built from the emitted megatron.yaml sections.
+
+parallel_state must be initialised first. With virtual pipeline stages a rank holds several
+chunks (vp_stage 0..vpp-1); the embedding sits on the first chunk of the first stage and the
+output layer on the last chunk of the last stage.
+"""
+from __future__ import annotations
+
+from toolkit.emit.megatron import build_megatron_configs
+
+
+def build_model_chunks(sections: dict) -> list:
+    from megatron.core import parallel_state
+    from megatron.core.models.gpt import GPTModel
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+
+    transformer_config, _, _ = build_megatron_configs(sections)
+    gpt = sections["gpt_model"]
+    vpp = transformer_config.virtual_pipeline_model_parallel_size
+    spec = get_gpt_layer_local_spec(normalization=transformer_config.normalization)
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        chunks.append(GPTModel(
+            config=transformer_config,
+            transformer_layer_spec=spec,
+            vocab_size=gpt["vocab_size"],
+            max_sequence_length=gpt["max_sequence_length"],
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            parallel_output=gpt["parallel_output"],
+            share_embeddings_and_output_weights=gpt["share_embeddings_and_output_weights"],
+            position_embedding_type=gpt["position_embedding_type"],
+            rotary_base=int(gpt["rotary_base"]),
+            vp_stage=stage,
+        ))
+    return chunks
