@@ -136,6 +136,11 @@ class ClusterConfig:
     # Bandwidth per device, GB/s in one direction.
     intra_node_bandwidth_gbs: float = 10.0
     inter_node_bandwidth_gbs: float = 1.0
+    hbm_bandwidth_gbs: float = 20.0  # device memory bandwidth (memory-bound ops)
+    # Fraction of peak a large, well-shaped GEMM reaches (a measured matmul benchmark).
+    gemm_efficiency: float = 0.8
+    gpu_mtbf_hours: float = 50_000.0  # mean time between failures of one device
+    checkpoint_write_gbs_per_node: float = 2.0  # sustained checkpoint write bandwidth per node
 
 
 @dataclass

@@ -1,0 +1,167 @@
+"""Memory per GPU: model states, activations, logits, buffers and allocator allowance.
+
+Model states per parameter on a rank holding P parameters, data-parallel (sharding) degree d:
+- megatron-core DDP (+ distributed optimizer = zero 1), Megatron-LM docs
+  `docs/source/api-guide/dist_optimizer.md`: bf16/fp16 params 2, fp32 grads 4 (2 without
+  grad_reduce_in_fp32), fp32 main params + Adam m, v 12 (/d with the distributed optimizer:
+  6 + 12/d bytes). fp32 training keeps no separate main copy: 4 + 4 + 8 (/d).
+- DeepSpeed ZeRO (Rajbhandari et al. 2020, "ZeRO", section 5 and Figure 1), as DeepSpeed 0.19
+  implements it: stage 0 all local; stage 1 partitions the fp32 master copy and Adam states;
+  stage 2 also the gradients (the .grad of a parameter is freed once reduced); stage 3 also the
+  parameters. Stages 1-3 keep an fp32 master partition even when training in fp32.
+Activations per layer follow Korthikanti et al. 2022, "Reducing Activation Recomputation in
+Large Transformer Models", section 4 (34 s b h + 5 a s^2 b bytes in fp16 with dropout),
+generalised to GQA, SwiGLU, dropout on/off, any dtype and flash attention (which stores no
+s^2 scores). The first pipeline stage holds the most in-flight micro-batches: p for 1F1B, and
+p*v + p - 1 model chunks for interleaved 1F1B (Korthikanti et al. 2022, section 4.2.3).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from toolkit.config.schema import Config, ModelConfig
+from toolkit.plan.layout import Layout
+from toolkit.plan.params import head_dim, kv_heads, layer_params, stage_params
+
+GIB = 1024**3
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # fp8 keeps bf16 weights/activations
+# PyTorch's caching allocator rounds and fragments: allow 10% on top of activations and buffers
+# (typical reserved/allocated ratio in Megatron-LM memory reports), plus the CUDA context,
+# cuBLAS workspace and NCCL buffers on a GPU.
+FRAGMENTATION = 0.10
+CUDA_RUNTIME_BYTES = 1.0 * GIB
+
+
+@dataclass(frozen=True)
+class ModelStates:
+    weights: float
+    grads: float
+    optimizer: float  # Adam m, v and fp32 master copy
+
+    @property
+    def total(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+
+def model_state_bytes(params: int, dtype: str, backend: str, zero: int, shard: int, grad_reduce_in_fp32: bool = True,
+                      offload_optimizer: bool = False, offload_param: bool = False) -> ModelStates:
+    """Device bytes of parameters, gradients and optimizer states for `params` parameters on a
+    rank whose optimizer states are sharded `shard` ways."""
+    p = float(params)
+    if dtype == "fp32":
+        weight, grad, master = 4, 4, 0
+    else:
+        weight, master = 2, 4
+        grad = 4 if (backend == "megatron" and grad_reduce_in_fp32) else 2
+    adam = 8
+    if backend == "megatron":
+        optimizer = (master + adam) * p / (shard if zero >= 1 else 1)
+        return ModelStates(weight * p, grad * p, optimizer)
+    # DeepSpeed: stages >= 1 keep an fp32 master partition even for fp32 params.
+    master = 4 if zero >= 1 else master
+    weights = weight * p / (shard if zero >= 3 else 1)
+    grads = grad * p / (shard if zero >= 2 else 1)
+    optimizer = (master + adam) * p / (shard if zero >= 1 else 1)
+    if offload_optimizer:
+        optimizer = 0.0
+        grads = grads if zero < 2 else 0.0  # reduced gradients stream to host memory
+    if offload_param:
+        weights = 0.0
+    return ModelStates(weights, grads, optimizer)
+
+
+def layer_activation_bytes(m: ModelConfig, micro_batch: int, seq: int, tp: int, sp: bool, dtype_bytes: int,
+                           flash: bool = True, recompute: str = "none") -> float:
+    """Bytes one transformer layer keeps for backward, per micro-batch, on one TP rank."""
+    tokens = micro_batch * seq
+    h, d = m.hidden_size, head_dim(m)
+    q, kv = m.num_attention_heads * d, kv_heads(m) * d
+    ffn_in = m.ffn_hidden_size * (2 if m.activation == "swiglu" else 1)
+    replicated = 1 / tp if sp else 1.0  # outside the TP region: split only by sequence parallel
+    mask = 1 if m.hidden_dropout > 0 else 0  # 1-byte dropout masks
+    if recompute == "full":
+        return dtype_bytes * tokens * h * replicated  # the layer's input only
+    outside = tokens * h * (dtype_bytes * (2 + 1 + 1) + 2 * mask) * replicated  # 2 norm inputs, QKV & MLP inputs
+    inside = tokens * dtype_bytes * ((q + 2 * kv) + q + ffn_in + m.ffn_hidden_size) / tp  # QKV out, proj in, fc1 out, fc2 in
+    heads = m.num_attention_heads / tp
+    if flash or recompute == "selective":
+        core = 4 * heads * seq * micro_batch if flash else 0.0  # fp32 log-sum-exp per row
+    else:  # softmax output (+ dropout mask and output)
+        core = heads * seq * seq * micro_batch * (dtype_bytes + (1 + dtype_bytes if m.attention_dropout > 0 else 0))
+    return outside + inside + core
+
+
+def inflight_chunks(pp: int, vpp: int, num_microbatches: int, stage: int = 0) -> int:
+    """Model chunks whose activations a pipeline stage holds at its peak (Megatron-LM schedules:
+    warm-up micro-batches + 1)."""
+    if pp == 1:
+        return 1
+    if vpp == 1:
+        return min(num_microbatches, pp - stage)
+    return min(num_microbatches * vpp, (pp - stage - 1) * 2 + (vpp - 1) * pp + 1)
+
+
+@dataclass(frozen=True)
+class MemoryEstimate:
+    stage: int
+    weights: float
+    grads: float
+    optimizer: float
+    activations: float
+    logits: float
+    buffers: float
+    allowance: float  # fragmentation + runtime
+
+    @property
+    def model_states(self) -> float:
+        return self.weights + self.grads + self.optimizer
+
+    @property
+    def total(self) -> float:
+        return self.model_states + self.activations + self.logits + self.buffers + self.allowance
+
+    def as_gib(self) -> dict:
+        keys = ("weights", "grads", "optimizer", "activations", "logits", "buffers", "allowance")
+        return {k: getattr(self, k) / GIB for k in keys} | {"total": self.total / GIB}
+
+
+def stage_memory(cfg: Config, layout: Layout, stage: int, flash: bool | None = None) -> MemoryEstimate:
+    m, p, z, r = cfg.model, cfg.parallel, cfg.zero, cfg.recompute
+    on_gpu = cfg.cluster.device == "cuda"
+    flash = on_gpu if flash is None else flash
+    dtype = cfg.precision.dtype
+    nbytes = DTYPE_BYTES[dtype]
+    params = stage_params(m, layout.padded_vocab_size, layout.tp, layout.pp, stage)
+    shard = layout.dp * layout.cp  # Megatron's distributed optimizer and ZeRO shard over DP x CP
+    zero_stage = z.stage if cfg.backend.name == "deepspeed" else min(z.stage, 1)
+    states = model_state_bytes(params.total, dtype, cfg.backend.name, zero_stage, shard, cfg.precision.grad_reduce_in_fp32,
+                               z.offload_optimizer != "none", z.offload_param != "none")
+
+    seq = layout.seq_length // layout.cp
+    per_layer = layer_activation_bytes(m, layout.micro_batch, seq, layout.tp, p.sequence_parallel, nbytes, flash, r.granularity)
+    layers_per_chunk = m.num_layers // (layout.pp * layout.vpp)
+    chunks = inflight_chunks(layout.pp, layout.vpp, layout.num_microbatches, stage)
+    activations = chunks * layers_per_chunk * per_layer
+    tokens = layout.micro_batch * seq
+    if r.granularity == "full":  # one chunk's layers are live again while recomputed
+        activations += r.num_layers * layer_activation_bytes(m, layout.micro_batch, seq, layout.tp, p.sequence_parallel, nbytes, flash)
+    if stage == 0:  # embedding output kept for the first layer's backward
+        activations += chunks * tokens * m.hidden_size * nbytes / (layout.tp if p.sequence_parallel else 1)
+
+    logits = 0.0
+    if stage == layout.pp - 1:  # output GEMM result + fp32 softmax kept by the vocab-parallel cross entropy
+        logits = tokens * layout.padded_vocab_size / layout.tp * (nbytes + 4 + 4)
+
+    buffers = 2 * tokens * m.hidden_size * nbytes  # pipeline send/recv or sequence-parallel all-gather
+    if cfg.backend.name == "deepspeed" and zero_stage >= 1:
+        buffers += z.reduce_bucket_size * nbytes  # gradient reduction bucket
+        if zero_stage == 3:  # prefetched and live gathered parameters: at least one layer
+            buffers += max(z.stage3_prefetch_bucket_size, layer_params(m)) * nbytes
+    allowance = FRAGMENTATION * (activations + logits + buffers) + (CUDA_RUNTIME_BYTES if on_gpu else 0.0)
+    return MemoryEstimate(stage, states.weights, states.grads, states.optimizer, activations, logits, buffers, allowance)
+
+
+def peak_memory(cfg: Config, layout: Layout) -> MemoryEstimate:
+    """The most loaded rank: first stage (most in-flight activations, embedding) or last (logits)."""
+    stages = {0, layout.pp - 1} | ({1} if layout.pp > 2 else set())
+    return max((stage_memory(cfg, layout, s) for s in stages), key=lambda e: e.total)

@@ -1,0 +1,180 @@
+"""Step time, throughput and MFU of a layout, from FLOPs, bandwidths and the schedule.
+
+Compute: each GEMM at the cluster's large-GEMM efficiency, reduced for small per-GPU shapes
+(`shape_efficiency`); flash attention at ATTENTION_EFFICIENCY of that; memory-bound element-wise
+work (norms, activations, residuals) as bytes over HBM bandwidth.
+Tensor parallel: per layer and micro-batch, 2 all-reduces forward and 2 backward (or the same
+volume as all-gather + reduce-scatter with sequence parallel) of b*s*h values (Narayanan et al.
+2021, section 3.3; Korthikanti et al. 2022, section 4.2.2), not overlapped (no userbuffer overlap).
+Pipeline: (m + (p-1)/v) micro-batch times per step (Narayanan et al. 2021, section 2.2.2) plus
+point-to-point sends of b*s*h activations per chunk boundary.
+Data parallel: ring reduce-scatter/all-gather, (d-1)/d of the bytes over the slowest link per
+GPU (Patarasuk & Yuan 2009); overlapped with the last micro-batch's backward where the backend
+overlaps (Megatron overlap_grad_reduce / DeepSpeed overlap_comm). ZeRO-3 gathers parameters for
+every micro-batch's forward and backward (Rajbhandari et al. 2020, section 7.2.2), prefetched.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from toolkit.config.schema import Config
+from toolkit.plan.flops import step_flops
+from toolkit.plan.layout import Layout
+from toolkit.plan.memory import DTYPE_BYTES, layer_activation_bytes
+from toolkit.plan.params import head_dim, kv_heads, stage_params
+
+# NCCL reaches about 80% of link bandwidth for large messages (nccl-tests bus bandwidth on
+# NVLink and InfiniBand NDR).
+COLLECTIVE_EFFICIENCY = 0.8
+COLLECTIVE_LATENCY_S = 20e-6
+# FlashAttention-2 forward+backward runs at 50-70% of peak where large GEMMs reach ~80%
+# (Dao 2023, "FlashAttention-2", section 4.1).
+ATTENTION_EFFICIENCY = 0.75
+# Half of a GEMM dimension at which a tile-based kernel reaches half its large-shape efficiency.
+GEMM_HALF_SIZE = 128
+# A host (offloaded) Adam updates about 1e9 parameters per second per GPU (DeepSpeed CPU-Adam,
+# Ren et al. 2021, "ZeRO-Offload", Table 4 order of magnitude).
+HOST_ADAM_PARAMS_PER_S = 1e9
+
+
+def shape_efficiency(*dims: float) -> float:
+    """Fraction of large-GEMM throughput left for a GEMM with these per-GPU dimensions."""
+    eff = 1.0
+    for dim in dims:
+        eff *= dim / (dim + GEMM_HALF_SIZE)
+    return eff
+
+
+def peak_flops(cfg: Config) -> float:
+    c, dtype = cfg.cluster, cfg.precision.dtype
+    tflops = {"fp32": c.peak_tflops_fp32, "bf16": c.peak_tflops_bf16, "fp16": c.peak_tflops_fp16,
+              "fp8": c.peak_tflops_fp8}[dtype]
+    return tflops * 1e12
+
+
+def mfu_peak_flops(cfg: Config) -> float:
+    """MFU's denominator: the bf16 peak for fp8 runs (as NeMo and Megatron-LM report), else the dtype's."""
+    return cfg.cluster.peak_tflops_bf16 * 1e12 if cfg.precision.dtype == "fp8" else peak_flops(cfg)
+
+
+def _ring_time(nbytes: float, group: int, bandwidth_gbs: float, factor: float) -> float:
+    """Ring collective moving factor*(g-1)/g of nbytes per GPU (factor 2 for all-reduce)."""
+    if group <= 1:
+        return 0.0
+    return factor * (group - 1) / group * nbytes / (bandwidth_gbs * 1e9 * COLLECTIVE_EFFICIENCY) + COLLECTIVE_LATENCY_S
+
+
+@dataclass(frozen=True)
+class StepEstimate:
+    step_time: float
+    compute: float  # pipeline compute incl. the bubble and exposed TP comm
+    bubble: float
+    tp_comm: float
+    pp_comm: float
+    dp_comm: float  # exposed data-parallel / ZeRO communication
+    optimizer: float
+    tokens_per_s: float
+    tflops_per_gpu: float  # model TFLOP/s per GPU
+    mfu: float
+    hfu: float
+
+    @property
+    def comm_share(self) -> float:
+        return (self.tp_comm + self.pp_comm + self.dp_comm) / self.step_time
+
+
+def _spans_nodes(cfg: Config, group_size: int, stride: int) -> bool:
+    return group_size > 1 and group_size * stride > cfg.cluster.gpus_per_node
+
+
+def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
+    m, c, p = cfg.model, cfg.cluster, cfg.parallel
+    tp, pp, vpp, cp, dp = layout.tp, layout.pp, layout.vpp, layout.cp, layout.dp
+    nbytes = DTYPE_BYTES[cfg.precision.dtype]
+    peak = peak_flops(cfg) * c.gemm_efficiency
+    hbm = c.hbm_bandwidth_gbs * 1e9
+    seq = layout.seq_length
+    tokens = layout.micro_batch * seq // cp  # tokens per micro-batch on one GPU
+    h, d = m.hidden_size, head_dim(m)
+    q, kv = m.num_attention_heads * d, kv_heads(m) * d
+    ffn_in = m.ffn_hidden_size * (2 if m.activation == "swiglu" else 1)
+    recompute = cfg.recompute.granularity
+
+    # --- one layer, one micro-batch, forward GEMMs on one TP rank
+    gemms = [((q + 2 * kv) / tp, h), (h, q / tp), (ffn_in / tp, h), (h, m.ffn_hidden_size / tp)]  # (N, K)
+    gemm_fwd = sum(2 * tokens * n * k / (peak * shape_efficiency(tokens, n, k)) for n, k in gemms)
+    core_fwd = 2 * 2 * tokens * seq * (q / tp) * 0.5 / (peak * ATTENTION_EFFICIENCY * shape_efficiency(tokens, d))
+    elementwise = 3 * layer_activation_bytes(m, layout.micro_batch, seq // cp, tp, p.sequence_parallel, nbytes, flash=True) / hbm
+    tp_bw = c.intra_node_bandwidth_gbs if tp <= c.gpus_per_node else c.inter_node_bandwidth_gbs
+    tp_collective = _ring_time(tokens * h * nbytes, tp, tp_bw, 2.0)
+    collectives = 4 + (2 if recompute == "full" else 0)
+    layer = 3 * (gemm_fwd + core_fwd) + elementwise + collectives * tp_collective
+    if recompute == "full":
+        layer += gemm_fwd + core_fwd + elementwise / 3
+    elif recompute == "selective":
+        layer += core_fwd
+    cp_comm = _ring_time(tokens * 2 * kv / tp * nbytes, cp, c.intra_node_bandwidth_gbs, 1.0) * 3 if cp > 1 else 0.0
+    layer += cp_comm  # ring exchange of K/V blocks (Megatron context parallel), assumed exposed
+
+    # --- per micro-batch on the most loaded stage (the last one adds the logits)
+    layers_per_stage = m.num_layers // pp
+    vocab_shard = layout.padded_vocab_size / tp
+    logits = 3 * 2 * tokens * h * vocab_shard / (peak * shape_efficiency(tokens, vocab_shard, h)) + 4 * tokens * vocab_shard * 4 / hbm
+    per_microbatch = layers_per_stage * layer + logits
+    tp_per_microbatch = layers_per_stage * collectives * tp_collective
+
+    num_mb = layout.num_microbatches
+    bubble = (pp - 1) / vpp * per_microbatch
+    compute = num_mb * per_microbatch + bubble
+
+    # --- pipeline point-to-point: activations forward, gradients backward, per chunk boundary
+    pp_comm = 0.0
+    if pp > 1:
+        pp_bw = c.inter_node_bandwidth_gbs if _spans_nodes(cfg, pp, tp * cp * dp) else c.intra_node_bandwidth_gbs
+        p2p = _ring_time(tokens * h * nbytes, 2, pp_bw, 2.0)  # one send: (2-1)/2 * 2 = 1x the bytes
+        pp_comm = num_mb * vpp * 2 * p2p
+
+    # --- data-parallel gradient (and parameter) communication
+    shard = dp * cp
+    params = stage_params(m, layout.padded_vocab_size, tp, pp, 0 if pp == 1 else pp - 1).total
+    dp_bw = c.inter_node_bandwidth_gbs if _spans_nodes(cfg, shard, tp) else c.intra_node_bandwidth_gbs
+    grad_bytes = params * (4 if cfg.precision.dtype == "fp32" or (cfg.backend.name == "megatron" and cfg.precision.grad_reduce_in_fp32) else nbytes)
+    backward_window = (2 / 3) * per_microbatch * 0.9  # the last bucket is never overlapped
+    forward_window = (1 / 3) * per_microbatch
+    overlap = c.device == "cuda"
+    zero = cfg.zero.stage if cfg.backend.name == "deepspeed" else min(cfg.zero.stage, 1)
+    if cfg.backend.name == "megatron":
+        if zero == 1:
+            reduce = _ring_time(grad_bytes, shard, dp_bw, 1.0)
+            gather = _ring_time(params * nbytes, shard, dp_bw, 1.0)
+            dp_comm = max(0.0, reduce - backward_window * overlap) + max(0.0, gather - forward_window * overlap)
+        else:
+            dp_comm = max(0.0, _ring_time(grad_bytes, shard, dp_bw, 2.0) - backward_window * overlap)
+    elif zero <= 1:  # DeepSpeed reduces once per step after the last backward
+        dp_comm = _ring_time(grad_bytes, shard, dp_bw, 2.0 if zero == 0 else 1.0)
+        if zero == 1:
+            dp_comm += _ring_time(params * nbytes, shard, dp_bw, 1.0)
+    else:  # ZeRO-2/3 reduce-scatter every micro-batch, overlapped with backward (overlap_comm)
+        reduce = _ring_time(grad_bytes, shard, dp_bw, 1.0)
+        dp_comm = num_mb * max(0.0, reduce - backward_window * overlap)
+        if zero == 2:
+            dp_comm += _ring_time(params * nbytes, shard, dp_bw, 1.0)
+        else:  # gather parameters for forward and backward of each micro-batch, prefetched
+            gathers = 2 * _ring_time(params * nbytes, shard, dp_bw, 1.0)
+            dp_comm += num_mb * max(0.0, gathers - per_microbatch * 0.9 * overlap)
+
+    # --- optimizer step: read and write master weights, grads, Adam moments
+    shard_params = params / (shard if zero >= 1 else 1)
+    if cfg.zero.offload_optimizer != "none":
+        optimizer = shard_params / HOST_ADAM_PARAMS_PER_S
+    else:
+        optimizer = shard_params * (4 + 4 + 8 + nbytes) * 2 / hbm
+
+    step = compute + pp_comm + dp_comm + optimizer
+    flops = step_flops(m, seq, layout.global_batch, recompute, layout.padded_vocab_size)
+    world = layout.world_size
+    return StepEstimate(
+        step_time=step, compute=compute, bubble=bubble, tp_comm=num_mb * tp_per_microbatch, pp_comm=pp_comm,
+        dp_comm=dp_comm, optimizer=optimizer, tokens_per_s=flops.tokens / step,
+        tflops_per_gpu=flops.model / step / world / 1e12, mfu=flops.model / step / world / mfu_peak_flops(cfg),
+        hfu=flops.hardware / step / world / mfu_peak_flops(cfg))
