@@ -32,12 +32,13 @@ def fake_rank(rank: int, world: int, tp: int, pp: int, vpp: int):
         dist.destroy_process_group()
 
 
-def megatron_rank_params(cfg, tp: int, pp: int, vpp: int, stage: int) -> dict:
+def megatron_rank_params(cfg, tp: int, pp: int, vpp: int, stage: int, first: int | None = None, last: int | None = None) -> dict:
     """{"total": n, "embedding": n, "output": n} for tensor rank 0 of pipeline `stage`."""
     from toolkit.train.megatron_model import build_model_chunks
 
     cfg = dataclasses.replace(
-        cfg, parallel=dataclasses.replace(cfg.parallel, tp=tp, pp=pp, vpp=vpp, dp=None, cp=1),
+        cfg, parallel=dataclasses.replace(cfg.parallel, tp=tp, pp=pp, vpp=vpp, dp=None, cp=1, first_stage_layers=first,
+                                     last_stage_layers=last),
         cluster=dataclasses.replace(cfg.cluster, nodes=1, gpus_per_node=tp * pp))
     sections = megatron_sections(cfg, resolve(cfg))
     sections["model_parallel"].update(use_cpu_initialization=True, perform_initialization=False,

@@ -6,7 +6,7 @@ import torch
 from megatron_meta import megatron_rank_params
 
 from toolkit.interop.hf import hf_config
-from toolkit.plan.layout import padded_vocab_size
+from toolkit.plan.layout import padded_vocab_size, stage_layer_counts
 from toolkit.plan.params import hf_model_params, model_params, stage_params
 
 # model -> (tp, pp, vpp) layouts that split it evenly
@@ -16,10 +16,10 @@ LAYOUTS = {
     "llama3_1b": [(1, 1, 1), (8, 2, 1), (4, 2, 2)],
     "llama3_8b": [(1, 1, 1), (8, 4, 1), (2, 4, 2)],
     "llama3_70b": [(1, 1, 1), (8, 4, 5)],
-    "llama3_405b": [(1, 1, 1), (8, 7, 3)],
-    "gpt3_175b": [(1, 1, 1), (8, 8, 1), (8, 4, 3)],
+    "llama3_405b": [(1, 1, 1), (8, 7, 3), (8, 16, 1, 7, 7)],  # Llama 3's 7 + 14 x 8 + 7 split
+    "gpt3_175b": [(1, 1, 1), (8, 8, 1), (8, 4, 3), (4, 4, 2, 20, 20)],
 }
-CASES = [(model, *layout) for model, layouts in LAYOUTS.items() for layout in layouts]
+CASES = [(model, *layout, None, None)[:6] for model, layouts in LAYOUTS.items() for layout in layouts]
 
 
 def test_every_conf_model_is_covered():
@@ -28,13 +28,14 @@ def test_every_conf_model_is_covered():
     assert {p.stem for p in (conf_dir() / "model").glob("*.yaml")} == set(LAYOUTS)
 
 
-@pytest.mark.parametrize("model,tp,pp,vpp", CASES, ids=[f"{m}-tp{t}-pp{p}-vpp{v}" for m, t, p, v in CASES])
-def test_stage_params_equal_megatron_gptmodel(compose, model, tp, pp, vpp):
+@pytest.mark.parametrize("model,tp,pp,vpp,first,last", CASES, ids=[f"{m}-tp{t}-pp{p}-vpp{v}-{f}-{la}" for m, t, p, v, f, la in CASES])
+def test_stage_params_equal_megatron_gptmodel(compose, model, tp, pp, vpp, first, last):
     cfg = compose(f"model={model}")
     padded = padded_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by, tp)
+    layers = stage_layer_counts(cfg.model.num_layers, pp, vpp, first, last)
     for stage in range(pp):
-        real = megatron_rank_params(cfg, tp, pp, vpp, stage)
-        planned = stage_params(cfg.model, padded, tp, pp, stage)
+        real = megatron_rank_params(cfg, tp, pp, vpp, stage, first, last)
+        planned = stage_params(cfg.model, padded, tp, pp, stage, layers[stage])
         assert planned.total == real["total"], (stage, planned, real)
         assert planned.embedding == real["embedding"] and planned.output == real["output"], (stage, planned, real)
 

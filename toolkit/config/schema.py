@@ -50,6 +50,10 @@ class ParallelConfig:
     vpp: int = 1  # virtual pipeline stages per pipeline rank (interleaved 1F1B when > 1)
     dp: Optional[int] = None  # data parallel size; derived from the world size when left out
     cp: int = 1  # context parallel size (megatron backend)
+    # Uneven pipeline: layers on the first / last stage (the rest split evenly over the middle
+    # stages), e.g. Llama 3 405B's 126 layers on 16 stages as 7 + 14 x 8 + 7.
+    first_stage_layers: Optional[int] = None
+    last_stage_layers: Optional[int] = None
     sequence_parallel: bool = False  # Megatron sequence parallel (needs tp > 1)
 
 

@@ -46,6 +46,8 @@ def _transformer(cfg: Config) -> dict:
     swiglu = m.activation == "swiglu"
     return {
         "num_layers": m.num_layers,
+        "num_layers_in_first_pipeline_stage": cfg.parallel.first_stage_layers,
+        "num_layers_in_last_pipeline_stage": cfg.parallel.last_stage_layers,
         "hidden_size": m.hidden_size,
         "num_attention_heads": m.num_attention_heads,
         "num_query_groups": m.num_kv_heads or m.num_attention_heads,

@@ -49,7 +49,11 @@ def megatron_args(cfg: Config, layout: Layout, sections: dict) -> list[str]:
     # parallel layout
     args += [f"--tensor-model-parallel-size {layout.tp}", f"--pipeline-model-parallel-size {layout.pp}"]
     if layout.vpp > 1:
-        args.append(f"--num-layers-per-virtual-pipeline-stage {m.num_layers // (layout.pp * layout.vpp)}")
+        args.append(f"--num-virtual-stages-per-pipeline-rank {layout.vpp}")
+    if tr["num_layers_in_first_pipeline_stage"] is not None:
+        args.append(f"--decoder-first-pipeline-num-layers {tr['num_layers_in_first_pipeline_stage']}")
+    if tr["num_layers_in_last_pipeline_stage"] is not None:
+        args.append(f"--decoder-last-pipeline-num-layers {tr['num_layers_in_last_pipeline_stage']}")
     if layout.cp > 1:
         args.append(f"--context-parallel-size {layout.cp}")
     if mp["sequence_parallel"]:

@@ -26,6 +26,7 @@ class Layout:
     grad_accum: int  # micro-batches per optimizer step on each data-parallel rank
     seq_length: int
     padded_vocab_size: int
+    stage_layers: tuple[int, ...]  # transformer layers on each pipeline stage
     steps: int
     lr: float
     min_lr: float
@@ -41,6 +42,26 @@ class Layout:
     @property
     def model_parallel_size(self) -> int:
         return self.tp * self.pp * self.cp
+
+
+def stage_layer_counts(num_layers: int, pp: int, vpp: int = 1, first: int | None = None,
+                       last: int | None = None) -> tuple[int, ...] | None:
+    """Layers on each pipeline stage, as megatron-core splits them (TransformerConfig "Uneven
+    PP"): first/last stage counts when given, the rest evenly over the middle stages. Every
+    stage's count must divide by vpp. None when the layers do not split so."""
+    if pp == 1:
+        counts = [num_layers] if first is None and last is None else []
+    else:
+        middle = pp - (first is not None) - (last is not None)
+        rest = num_layers - (first or 0) - (last or 0)
+        if (first is not None and first < 1) or (last is not None and last < 1) or rest < 0 \
+                or bool(middle) != bool(rest) or (middle and rest % middle):
+            return None
+        each = rest // middle if middle else 0
+        counts = [first if first is not None else each] + [each] * (pp - 2) + [last if last is not None else each]
+    if not counts or any(c % vpp or c == 0 for c in counts):
+        return None
+    return tuple(counts)
 
 
 def world_size(cfg: Config) -> int:
@@ -122,6 +143,7 @@ def resolve(cfg: Config) -> Layout:
         grad_accum=grad_accum,
         seq_length=cfg.model.seq_length,
         padded_vocab_size=padded_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by, p.tp),
+        stage_layers=stage_layer_counts(cfg.model.num_layers, p.pp, p.vpp, p.first_stage_layers, p.last_stage_layers),
         steps=steps,
         lr=o.lr * factor,
         min_lr=o.min_lr * factor,

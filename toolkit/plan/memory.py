@@ -131,7 +131,7 @@ def stage_memory(cfg: Config, layout: Layout, stage: int, flash: bool | None = N
     flash = on_gpu if flash is None else flash
     dtype = cfg.precision.dtype
     nbytes = DTYPE_BYTES[dtype]
-    params = stage_params(m, layout.padded_vocab_size, layout.tp, layout.pp, stage)
+    params = stage_params(m, layout.padded_vocab_size, layout.tp, layout.pp, stage, layout.stage_layers[stage])
     shard = layout.dp * layout.cp  # Megatron's distributed optimizer and ZeRO shard over DP x CP
     zero_stage = z.stage if cfg.backend.name == "deepspeed" else min(z.stage, 1)
     states = model_state_bytes(params.total, dtype, cfg.backend.name, zero_stage, shard, cfg.precision.grad_reduce_in_fp32,
@@ -139,7 +139,7 @@ def stage_memory(cfg: Config, layout: Layout, stage: int, flash: bool | None = N
 
     seq = layout.seq_length // layout.cp
     per_layer = layer_activation_bytes(m, layout.micro_batch, seq, layout.tp, p.sequence_parallel, nbytes, flash, r.granularity)
-    layers_per_chunk = m.num_layers // (layout.pp * layout.vpp)
+    layers_per_chunk = layout.stage_layers[stage] // layout.vpp
     chunks = inflight_chunks(layout.pp, layout.vpp, layout.num_microbatches, stage)
     activations = chunks * layers_per_chunk * per_layer
     tokens = layout.micro_batch * seq
@@ -162,6 +162,7 @@ def stage_memory(cfg: Config, layout: Layout, stage: int, flash: bool | None = N
 
 
 def peak_memory(cfg: Config, layout: Layout) -> MemoryEstimate:
-    """The most loaded rank: first stage (most in-flight activations, embedding) or last (logits)."""
+    """The most loaded rank: first stage (most in-flight activations, embedding), last (logits),
+    or the second (most in-flight activations among the full middle stages of an uneven split)."""
     stages = {0, layout.pp - 1} | ({1} if layout.pp > 2 else set())
     return max((stage_memory(cfg, layout, s) for s in stages), key=lambda e: e.total)

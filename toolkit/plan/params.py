@@ -74,11 +74,12 @@ class StageParams:
         return self.embedding + self.transformer + self.final_norm + self.output
 
 
-def stage_params(m: ModelConfig, padded_vocab: int, tp: int = 1, pp: int = 1, stage: int = 0) -> StageParams:
-    """One rank's parameters at pipeline `stage`. Layers split evenly (the validator demands
-    num_layers % (pp*vpp) == 0), so virtual chunks change which layers a rank holds, not how many."""
+def stage_params(m: ModelConfig, padded_vocab: int, tp: int = 1, pp: int = 1, stage: int = 0,
+                 layers: int | None = None) -> StageParams:
+    """One rank's parameters at pipeline `stage`, holding `layers` transformer layers (default:
+    an even split). Virtual chunks change which layers a rank holds, not how many."""
     first, last = stage == 0, stage == pp - 1
-    layers = m.num_layers // pp
+    layers = m.num_layers // pp if layers is None else layers
     return StageParams(
         stage=stage,
         layers=layers,
@@ -89,8 +90,10 @@ def stage_params(m: ModelConfig, padded_vocab: int, tp: int = 1, pp: int = 1, st
     )
 
 
-def all_stage_params(m: ModelConfig, padded_vocab: int, tp: int = 1, pp: int = 1) -> list[StageParams]:
-    return [stage_params(m, padded_vocab, tp, pp, s) for s in range(pp)]
+def all_stage_params(m: ModelConfig, padded_vocab: int, tp: int = 1, pp: int = 1,
+                     stage_layers: tuple[int, ...] | None = None) -> list[StageParams]:
+    layers = stage_layers or (m.num_layers // pp,) * pp
+    return [stage_params(m, padded_vocab, tp, pp, s, layers[s]) for s in range(pp)]
 
 
 def model_params(m: ModelConfig, vocab: int | None = None) -> int:

@@ -21,7 +21,7 @@ from toolkit.config.schema import Config
 from toolkit.plan.flops import step_flops
 from toolkit.plan.layout import Layout
 from toolkit.plan.memory import DTYPE_BYTES, layer_activation_bytes
-from toolkit.plan.params import head_dim, kv_heads, stage_params
+from toolkit.plan.params import all_stage_params, head_dim, kv_heads
 
 # NCCL reaches about 80% of link bandwidth for large messages (nccl-tests bus bandwidth on
 # NVLink and InfiniBand NDR).
@@ -116,12 +116,14 @@ def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
     cp_comm = _ring_time(tokens * 2 * kv / tp * nbytes, cp, c.intra_node_bandwidth_gbs, 1.0) * 3 if cp > 1 else 0.0
     layer += cp_comm  # ring exchange of K/V blocks (Megatron context parallel), assumed exposed
 
-    # --- per micro-batch on the most loaded stage (the last one adds the logits)
-    layers_per_stage = m.num_layers // pp
+    # --- per micro-batch on the slowest stage (the last one adds the logits)
     vocab_shard = layout.padded_vocab_size / tp
     logits = 3 * 2 * tokens * h * vocab_shard / (peak * shape_efficiency(tokens, vocab_shard, h)) + 4 * tokens * vocab_shard * 4 / hbm
-    per_microbatch = layers_per_stage * layer + logits
-    tp_per_microbatch = layers_per_stage * collectives * tp_collective
+    stage_times = [n * layer for n in layout.stage_layers]
+    stage_times[-1] += logits
+    slowest = max(range(pp), key=stage_times.__getitem__)
+    per_microbatch = stage_times[slowest]
+    tp_per_microbatch = layout.stage_layers[slowest] * collectives * tp_collective
 
     num_mb = layout.num_microbatches
     bubble = (pp - 1) / vpp * per_microbatch
@@ -136,7 +138,7 @@ def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
 
     # --- data-parallel gradient (and parameter) communication
     shard = dp * cp
-    params = stage_params(m, layout.padded_vocab_size, tp, pp, 0 if pp == 1 else pp - 1).total
+    params = max(s.total for s in all_stage_params(m, layout.padded_vocab_size, tp, pp, layout.stage_layers))
     dp_bw = c.inter_node_bandwidth_gbs if _spans_nodes(cfg, shard, tp) else c.intra_node_bandwidth_gbs
     grad_bytes = params * (4 if cfg.precision.dtype == "fp32" or (cfg.backend.name == "megatron" and cfg.precision.grad_reduce_in_fp32) else nbytes)
     backward_window = (2 / 3) * per_microbatch * 0.9  # the last bucket is never overlapped

@@ -11,11 +11,13 @@ Sources for the rules: Megatron-LM `megatron/training/arguments.py::validate_arg
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from toolkit.config.schema import Config
-from toolkit.plan.layout import Layout, bubble_fraction, derived_dp, padded_vocab_size, resolve, world_size
+from toolkit.plan.layout import (Layout, bubble_fraction, derived_dp, padded_vocab_size, resolve, stage_layer_counts,
+                                 world_size)
 
 ERROR, WARNING = "error", "warning"
 
@@ -99,7 +101,7 @@ _AT_LEAST_ONE = (
     "model.num_layers", "model.hidden_size", "model.num_attention_heads", "model.num_kv_heads",
     "model.head_dim", "model.ffn_hidden_size", "model.vocab_size", "model.seq_length",
     "model.max_position_embeddings", "parallel.tp", "parallel.pp", "parallel.vpp", "parallel.dp",
-    "parallel.cp", "train.global_batch", "train.micro_batch", "train.grad_accum", "train.steps",
+    "parallel.cp", "parallel.first_stage_layers", "parallel.last_stage_layers", "train.global_batch", "train.micro_batch", "train.grad_accum", "train.steps",
     "train.tokens", "train.log_interval", "cluster.nodes", "cluster.gpus_per_node",
 )
 _NON_NEGATIVE = (
@@ -211,18 +213,43 @@ def _parallel(cfg: Config) -> Iterator[Violation]:
                    "context parallel splits each sequence into 2*cp load-balanced chunks",
                    f"use a model.seq_length divisible by {2 * p.cp}")
 
-    stages = p.pp * p.vpp
-    if m.num_layers % stages:
+    uneven = p.first_stage_layers is not None or p.last_stage_layers is not None
+    if uneven and p.pp == 1:
+        yield _err("pp_uneven", {"parallel.pp": 1, "parallel.first_stage_layers": p.first_stage_layers,
+                                 "parallel.last_stage_layers": p.last_stage_layers},
+                   "first/last stage layer counts need pipeline stages", "leave them out, or set parallel.pp>=2")
+    elif uneven and stage_layer_counts(m.num_layers, p.pp, p.vpp, p.first_stage_layers, p.last_stage_layers) is None:
+        first, last = p.first_stage_layers or 0, p.last_stage_layers or 0
+        middle = p.pp - (p.first_stage_layers is not None) - (p.last_stage_layers is not None)
+        yield _err("pp_uneven", {"parallel.pp": p.pp, "parallel.vpp": p.vpp, "parallel.first_stage_layers": p.first_stage_layers,
+                                 "parallel.last_stage_layers": p.last_stage_layers, "model.num_layers": m.num_layers},
+                   f"the {m.num_layers - first - last} remaining layers must split evenly over {middle} middle stage(s), "
+                   "and every stage's layers must divide by vpp",
+                   _uneven_fix(m.num_layers, p.pp, p.vpp))
+    elif not uneven and m.num_layers % (p.pp * p.vpp):
+        stages = p.pp * p.vpp
         pps = [d for d in _divisors(m.num_layers) if d * p.vpp <= m.num_layers and m.num_layers % (d * p.vpp) == 0]
         fix = f"use parallel.pp in {{{_listing(pps)}}}" if pps else "use parallel.vpp=1"
         if p.vpp > 1 and m.num_layers % p.pp == 0:
             fix += f", or parallel.vpp in {{{_listing(_divisors(m.num_layers // p.pp))}}}"
+        if p.pp > 2 and "parallel.first_stage_layers" in _uneven_fix(m.num_layers, p.pp, p.vpp):
+            fix += f", or an uneven split: {_uneven_fix(m.num_layers, p.pp, p.vpp)}"
         yield _err("pp_layers", {"parallel.pp": p.pp, "parallel.vpp": p.vpp, "model.num_layers": m.num_layers},
                    f"{m.num_layers} layers do not split into pp*vpp = {stages} equal model chunks", fix)
     if p.vpp > 1 and p.pp == 1:
         yield _err("vpp_needs_pp", {"parallel.vpp": p.vpp, "parallel.pp": 1},
                    "the interleaved schedule interleaves pipeline stages and needs pp > 1",
                    "set parallel.vpp=1, or parallel.pp>=2")
+
+
+def _uneven_fix(num_layers: int, pp: int, vpp: int) -> str:
+    """An uneven split with fewer layers on the first and last stage, when one exists."""
+    per_stage = -(-num_layers // pp)
+    per_stage += (-per_stage) % vpp
+    edge2 = num_layers - (pp - 2) * per_stage
+    if pp > 2 and edge2 > 0 and edge2 % 2 == 0 and (edge2 // 2) % vpp == 0:
+        return f"set parallel.first_stage_layers={edge2 // 2} parallel.last_stage_layers={edge2 // 2}"
+    return "choose counts so that the middle stages get equal layers, each divisible by vpp"
 
 
 # ---------------------------------------------------------------- batch split
@@ -315,15 +342,18 @@ def _precision(cfg: Config) -> Iterator[Violation]:
 # ---------------------------------------------------------------- recompute and optimizer
 def _recompute(cfg: Config) -> Iterator[Violation]:
     r, m, p = cfg.recompute, cfg.model, cfg.parallel
-    if r.granularity != "full" or m.num_layers % (p.pp * p.vpp):
+    counts = stage_layer_counts(m.num_layers, p.pp, p.vpp, p.first_stage_layers, p.last_stage_layers)
+    if r.granularity != "full" or counts is None:
         return
-    per_chunk = m.num_layers // (p.pp * p.vpp)
+    chunk_sizes = sorted({c // p.vpp for c in counts})
+    per_chunk = chunk_sizes[0]
     fields = {"recompute.method": r.method, "recompute.num_layers": r.num_layers, "layers per model chunk": per_chunk}
     if r.num_layers < 1:
         yield _err("recompute_layers", fields, "full recompute needs at least one layer per checkpoint", "set recompute.num_layers=1")
-    elif r.method == "uniform" and per_chunk % r.num_layers:
+    elif r.method == "uniform" and any(size % r.num_layers for size in chunk_sizes):
+        common = [d for d in _divisors(per_chunk) if all(size % d == 0 for size in chunk_sizes)]
         yield _err("recompute_layers", fields, "uniform recompute checkpoints groups of num_layers, which must tile each chunk",
-                   f"use recompute.num_layers in {{{_listing(_divisors(per_chunk))}}}")
+                   f"use recompute.num_layers in {{{_listing(common)}}}")
     elif r.method == "block" and r.num_layers > per_chunk:
         yield _err("recompute_layers", fields, "block recompute cannot recompute more layers than a chunk holds",
                    f"use recompute.num_layers<={per_chunk}")
@@ -347,9 +377,9 @@ def _warnings(cfg: Config, layout: Layout) -> Iterator[Violation]:
     if p.pp > 1:
         bubble = bubble_fraction(p.pp, p.vpp, m)
         if bubble > ch.max_bubble_fraction:
-            need = -(-(p.pp - 1) // (p.vpp * ch.max_bubble_fraction))
+            need = math.ceil((p.pp - 1) / (p.vpp * ch.max_bubble_fraction))
             yield _warn("bubble", {"parallel.pp": p.pp, "parallel.vpp": p.vpp, "micro-batches": m},
-                        f"pipeline bubble (pp-1)/(vpp*m) = {bubble:.0%} of the step is idle (threshold {ch.max_bubble_fraction:.0%})",
+                        f"the pipeline bubble (pp-1)/(vpp*m) adds {bubble:.0%} idle time to the compute (threshold {ch.max_bubble_fraction:.0%})",
                         f"raise train.global_batch so that m >= {need} (global_batch >= {need * t.micro_batch * layout.dp}), "
                         "lower train.micro_batch, or raise parallel.vpp")
         if m < ch.min_microbatches_per_stage * p.pp:
