@@ -122,6 +122,9 @@ class TrainConfig:
     tokens: Optional[int] = None  # total training tokens; sets steps when steps is null
     seed: int = 1234
     log_interval: int = 1
+    # flash: fused attention kernels that store no s^2 scores (FlashAttention, cuDNN);
+    # unfused: QK^T, softmax and AV as separate kernels (pre-2023 Megatron, eager PyTorch on CPU).
+    attention_backend: str = "flash"
 
 
 @dataclass

@@ -67,6 +67,8 @@ def _transformer(cfg: Config) -> dict:
         "masked_softmax_fusion": fused,
         "bias_dropout_fusion": fused,
         "apply_rope_fusion": False,
+        # The local (CPU) spec always runs unfused attention; on GPU the configured backend.
+        "attention_backend": cfg.train.attention_backend if fused else "unfused",
         "recompute_granularity": None if r.granularity == "none" else r.granularity,
         "recompute_method": r.method if r.granularity == "full" else None,
         "recompute_num_layers": r.num_layers if r.granularity == "full" else None,
@@ -177,6 +179,7 @@ def build_megatron_configs(sections: dict):
     mcore_cpu.import_shims()
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
+    from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.transformer_config import TransformerConfig
 
     def dtypes(section: dict) -> dict:
@@ -184,6 +187,7 @@ def build_megatron_configs(sections: dict):
 
     transformer = {**dtypes(sections["model_parallel"]), **sections["transformer"]}
     transformer["activation_func"] = {"silu": F.silu, "gelu": F.gelu}[transformer["activation_func"]]
+    transformer["attention_backend"] = AttnBackend[transformer["attention_backend"]]
     return (
         TransformerConfig(**transformer),
         OptimizerConfig(**dtypes(sections["optimizer"])),

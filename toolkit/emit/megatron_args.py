@@ -70,6 +70,7 @@ def megatron_args(cfg: Config, layout: Layout, sections: dict) -> list[str]:
         args += ["--use-cpu-initialization", "--no-masked-softmax-fusion", "--no-bias-dropout-fusion"]
         args.append("--no-bias-swiglu-fusion" if tr["gated_linear_unit"] else "--no-bias-gelu-fusion")
     args.append(f"--transformer-impl {tr['transformer_impl']}")
+    args.append(f"--attention-backend {tr['attention_backend']}")
 
     # batch and schedule
     args += [f"--micro-batch-size {layout.micro_batch}", f"--global-batch-size {layout.global_batch}",

@@ -128,7 +128,7 @@ class MemoryEstimate:
 def stage_memory(cfg: Config, layout: Layout, stage: int, flash: bool | None = None) -> MemoryEstimate:
     m, p, z, r = cfg.model, cfg.parallel, cfg.zero, cfg.recompute
     on_gpu = cfg.cluster.device == "cuda"
-    flash = on_gpu if flash is None else flash
+    flash = (on_gpu and cfg.train.attention_backend == "flash") if flash is None else flash
     dtype = cfg.precision.dtype
     nbytes = DTYPE_BYTES[dtype]
     params = stage_params(m, layout.padded_vocab_size, layout.tp, layout.pp, stage, layout.stage_layers[stage])

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from toolkit.config.schema import Config
 from toolkit.plan.flops import step_flops
 from toolkit.plan.layout import Layout
-from toolkit.plan.memory import DTYPE_BYTES, layer_activation_bytes
+from toolkit.plan.memory import DTYPE_BYTES
 from toolkit.plan.params import all_stage_params, head_dim, kv_heads
 
 # NCCL reaches about 80% of link bandwidth for large messages (nccl-tests bus bandwidth on
@@ -32,6 +32,21 @@ COLLECTIVE_LATENCY_S = 20e-6
 ATTENTION_EFFICIENCY = 0.75
 # Half of a GEMM dimension at which a tile-based kernel reaches half its large-shape efficiency.
 GEMM_HALF_SIZE = 128
+# Element-wise kernels (norms, RoPE, residual adds, activations): Megatron with Transformer
+# Engine fuses them; eager PyTorch (transformers models under DeepSpeed) launches each op
+# separately and moves about 2.5x the bytes (e.g. RMSNorm as pow, mean, rsqrt, mul, mul).
+ELEMENTWISE_TRAFFIC = {"megatron": 1.0, "deepspeed": 2.5}
+# Communication overlapped with compute still slows it: NCCL kernels occupy SMs and memory
+# bandwidth (Jangda et al. 2022, "Breaking the Computation and Communication Abstraction
+# Barrier in Distributed Machine Learning Workloads", section 2): charge 20% of the overlap.
+OVERLAP_INTERFERENCE = 0.2
+# FP8 tensor-core GEMMs reach a smaller fraction of their (2x) peak than BF16 ones (large
+# cuBLAS FP8 GEMMs on H100 run at ~1300-1400 of 1979 TFLOP/s, BF16 at ~750-800 of 989), and
+# every GEMM input is first scaled and cast: 85% of the BF16 fraction.
+FP8_GEMM_FRACTION = 0.85
+# ZeRO-3 prefetches parameters one or two layers ahead: gathers hide under at most half of the
+# compute (assumption), and share the link with the gradient reduce-scatters.
+ZERO3_OVERLAP = 0.5
 # A host (offloaded) Adam updates about 1e9 parameters per second per GPU (DeepSpeed CPU-Adam,
 # Ren et al. 2021, "ZeRO-Offload", Table 4 order of magnitude).
 HOST_ADAM_PARAMS_PER_S = 1e9
@@ -83,6 +98,22 @@ class StepEstimate:
         return (self.tp_comm + self.pp_comm + self.dp_comm) / self.step_time
 
 
+def _overlapped(comm: float, window: float) -> float:
+    """Time a communication adds when it may hide under `window` seconds of compute."""
+    hidden = min(comm, max(window, 0.0))
+    return comm - hidden + OVERLAP_INTERFERENCE * hidden
+
+
+def _elementwise_bytes(m, tokens: int, tp: int, sp: bool, nbytes: int) -> float:
+    """Bytes element-wise ops move per layer and micro-batch, forward and backward (x3)."""
+    h, d = m.hidden_size, head_dim(m)
+    q, kv = m.num_attention_heads * d, kv_heads(m) * d
+    ffn_in = m.ffn_hidden_size * (2 if m.activation == "swiglu" else 1)
+    replicated = 10 * h / (tp if sp else 1)  # 2 norms (read + write), 2 residual adds (2 reads + write)
+    sharded = (2 * (q + kv) + ffn_in + m.ffn_hidden_size) / tp  # RoPE on q, k; activation in -> out
+    return 3 * tokens * (replicated + sharded) * nbytes
+
+
 def _spans_nodes(cfg: Config, group_size: int, stride: int) -> bool:
     return group_size > 1 and group_size * stride > cfg.cluster.gpus_per_node
 
@@ -91,7 +122,8 @@ def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
     m, c, p = cfg.model, cfg.cluster, cfg.parallel
     tp, pp, vpp, cp, dp = layout.tp, layout.pp, layout.vpp, layout.cp, layout.dp
     nbytes = DTYPE_BYTES[cfg.precision.dtype]
-    peak = peak_flops(cfg) * c.gemm_efficiency
+    peak = peak_flops(cfg) * c.gemm_efficiency * (FP8_GEMM_FRACTION if cfg.precision.dtype == "fp8" else 1.0)
+    core_peak = (peak_flops(cfg) if cfg.precision.dtype != "fp8" else c.peak_tflops_bf16 * 1e12) * c.gemm_efficiency
     hbm = c.hbm_bandwidth_gbs * 1e9
     seq = layout.seq_length
     tokens = layout.micro_batch * seq // cp  # tokens per micro-batch on one GPU
@@ -103,8 +135,13 @@ def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
     # --- one layer, one micro-batch, forward GEMMs on one TP rank
     gemms = [((q + 2 * kv) / tp, h), (h, q / tp), (ffn_in / tp, h), (h, m.ffn_hidden_size / tp)]  # (N, K)
     gemm_fwd = sum(2 * tokens * n * k / (peak * shape_efficiency(tokens, n, k)) for n, k in gemms)
-    core_fwd = 2 * 2 * tokens * seq * (q / tp) * 0.5 / (peak * ATTENTION_EFFICIENCY * shape_efficiency(tokens, d))
-    elementwise = 3 * layer_activation_bytes(m, layout.micro_batch, seq // cp, tp, p.sequence_parallel, nbytes, flash=True) / hbm
+    heads = m.num_attention_heads / tp
+    if cfg.train.attention_backend == "flash":  # skips the masked half of the causal scores
+        core_fwd = 2 * 2 * tokens * seq * (q / tp) * 0.5 / (core_peak * ATTENTION_EFFICIENCY * shape_efficiency(tokens, d))
+    else:  # batched GEMMs per head over all s^2 scores, softmax through HBM (2 passes fwd, 3 bwd / 3)
+        core_fwd = 2 * 2 * tokens * seq * (q / tp) / (core_peak * shape_efficiency(seq, seq, d))
+        core_fwd += 5 / 3 * heads * tokens * seq * nbytes / hbm
+    elementwise = ELEMENTWISE_TRAFFIC[cfg.backend.name] * _elementwise_bytes(m, tokens, tp, p.sequence_parallel, nbytes) / hbm
     tp_bw = c.intra_node_bandwidth_gbs if tp <= c.gpus_per_node else c.inter_node_bandwidth_gbs
     tp_collective = _ring_time(tokens * h * nbytes, tp, tp_bw, 2.0)
     collectives = 4 + (2 if recompute == "full" else 0)
@@ -141,29 +178,28 @@ def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
     params = max(s.total for s in all_stage_params(m, layout.padded_vocab_size, tp, pp, layout.stage_layers))
     dp_bw = c.inter_node_bandwidth_gbs if _spans_nodes(cfg, shard, tp) else c.intra_node_bandwidth_gbs
     grad_bytes = params * (4 if cfg.precision.dtype == "fp32" or (cfg.backend.name == "megatron" and cfg.precision.grad_reduce_in_fp32) else nbytes)
-    backward_window = (2 / 3) * per_microbatch * 0.9  # the last bucket is never overlapped
-    forward_window = (1 / 3) * per_microbatch
-    overlap = c.device == "cuda"
+    overlap = 1.0 if c.device == "cuda" else 0.0
+    backward_window = (2 / 3) * per_microbatch * 0.9 * overlap  # the last bucket is never overlapped
+    forward_window = (1 / 3) * per_microbatch * overlap
     zero = cfg.zero.stage if cfg.backend.name == "deepspeed" else min(cfg.zero.stage, 1)
     if cfg.backend.name == "megatron":
         if zero == 1:
             reduce = _ring_time(grad_bytes, shard, dp_bw, 1.0)
             gather = _ring_time(params * nbytes, shard, dp_bw, 1.0)
-            dp_comm = max(0.0, reduce - backward_window * overlap) + max(0.0, gather - forward_window * overlap)
+            dp_comm = _overlapped(reduce, backward_window) + _overlapped(gather, forward_window)
         else:
-            dp_comm = max(0.0, _ring_time(grad_bytes, shard, dp_bw, 2.0) - backward_window * overlap)
+            dp_comm = _overlapped(_ring_time(grad_bytes, shard, dp_bw, 2.0), backward_window)
     elif zero <= 1:  # DeepSpeed reduces once per step after the last backward
         dp_comm = _ring_time(grad_bytes, shard, dp_bw, 2.0 if zero == 0 else 1.0)
         if zero == 1:
             dp_comm += _ring_time(params * nbytes, shard, dp_bw, 1.0)
     else:  # ZeRO-2/3 reduce-scatter every micro-batch, overlapped with backward (overlap_comm)
         reduce = _ring_time(grad_bytes, shard, dp_bw, 1.0)
-        dp_comm = num_mb * max(0.0, reduce - backward_window * overlap)
         if zero == 2:
-            dp_comm += _ring_time(params * nbytes, shard, dp_bw, 1.0)
-        else:  # gather parameters for forward and backward of each micro-batch, prefetched
+            dp_comm = num_mb * _overlapped(reduce, backward_window) + _ring_time(params * nbytes, shard, dp_bw, 1.0)
+        else:  # gather parameters for forward and backward of every micro-batch, on the same link
             gathers = 2 * _ring_time(params * nbytes, shard, dp_bw, 1.0)
-            dp_comm += num_mb * max(0.0, gathers - per_microbatch * 0.9 * overlap)
+            dp_comm = num_mb * _overlapped(reduce + gathers, ZERO3_OVERLAP * per_microbatch * overlap)
 
     # --- optimizer step: read and write master weights, grads, Adam moments
     shard_params = params / (shard if zero >= 1 else 1)

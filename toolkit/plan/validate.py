@@ -93,6 +93,7 @@ _CHOICES = {
     "optim.name": ("adamw",),
     "optim.decay_style": ("cosine", "linear", "constant"),
     "optim.lr_scaling": ("none", "linear", "sqrt"),
+    "train.attention_backend": ("flash", "unfused"),
     "cluster.device": ("cuda", "cpu"),
     "backend.name": ("megatron", "deepspeed"),
     "data.name": ("synthetic", "corpus"),
