@@ -3,6 +3,7 @@
   parakit validate model=llama3_70b cluster=h100_cluster parallel.tp=8 parallel.pp=4
   parakit generate recipe=llama3_8b_8xh100
   parakit generate -m zero=0,1,2,3          # Hydra multirun: one run directory per choice
+  parakit plan model=llama3_70b cluster=h100_cluster train.global_batch=512 [--top 10] [--json]
 
 Each command is a Hydra app over conf/: overrides, `--cfg job`, `--help` and multirun work as
 in any Hydra program. Exit codes: 0 ok (warnings allowed), 2 validation errors, 1 composition
@@ -19,12 +20,15 @@ commands:
   validate   check a composed configuration; print every error and warning with its fix
   generate   validate, then write config.yaml, deepspeed.json, megatron.yaml,
              megatron_args.txt and launch.sh into the Hydra run directory
+  plan       search every valid layout for the model on the cluster, drop those that do not
+             fit, rank the rest by predicted throughput (--top N, --json for machines)
 
 overrides are Hydra's: model=llama3_8b cluster=8xh100 parallel.tp=8 zero=1 precision=bf16
 recompute=selective backend=megatron train.global_batch=512 recipe=NAME (see conf/ and recipes/)
 """
 
 _exit_code = 0
+_plan_options = {"top": 10, "as_json": False}
 
 
 def _summary(cfg, layout) -> str:
@@ -49,6 +53,10 @@ def _run(command: str, cfg_node) -> int:
     from toolkit.plan.validate import validate
 
     cfg = to_config(cfg_node)
+    if command == "plan":
+        from toolkit.plan.report import plan_command
+
+        return plan_command(cfg, **_plan_options)
     report = validate(cfg)
     for violation in report.warnings:
         print(violation, file=sys.stderr)
@@ -70,6 +78,23 @@ def _run(command: str, cfg_node) -> int:
     return 0
 
 
+def _take_plan_options(args: list[str]) -> list[str] | None:
+    """Strip `--json` and `--top N` (plan's own options) from the Hydra overrides."""
+    rest, it = [], iter(args)
+    for arg in it:
+        if arg == "--json":
+            _plan_options["as_json"] = True
+        elif arg == "--top" or arg.startswith("--top="):
+            value = arg.split("=", 1)[1] if "=" in arg else next(it, "")
+            if not value.isdigit() or int(value) < 1:
+                print(f"parakit plan: --top takes a positive whole number, got {value!r}", file=sys.stderr)
+                return None
+            _plan_options["top"] = int(value)
+        else:
+            rest.append(arg)
+    return rest
+
+
 def main(argv: list[str] | None = None) -> int:
     global _exit_code
     argv = list(sys.argv[1:] if argv is None else argv)
@@ -77,7 +102,11 @@ def main(argv: list[str] | None = None) -> int:
         print(USAGE)
         return 0
     command, overrides = argv[0], argv[1:]
-    if command not in ("validate", "generate"):
+    if command == "plan":
+        overrides = _take_plan_options(overrides)
+        if overrides is None:
+            return 2
+    if command not in ("validate", "generate", "plan"):
         print(f"parakit: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2
 
@@ -87,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
 
     register_schema()
     extra = []
-    if command == "validate":  # validate writes nothing: no run directory, no log file
+    if command in ("validate", "plan"):  # these write nothing: no run directory, no log file
         extra = ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=none", "hydra/hydra_logging=none"]
     user_keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
     extra = [o for o in extra if o.split("=", 1)[0] not in user_keys]

@@ -165,6 +165,17 @@ class DataConfig:
 
 
 @dataclass
+class CheckpointConfig:
+    interval_steps: Optional[int] = None  # save every N steps
+    interval_minutes: Optional[float] = None  # or every N minutes of wall time
+    keep_last: int = 3
+    # For the planner's interval rule: the rework one failure may cost at most, and the
+    # measured time of one save (estimated from checkpoint size and bandwidth when null).
+    acceptable_rework_minutes: float = 30.0
+    save_seconds: Optional[float] = None
+
+
+@dataclass
 class ChecksConfig:
     """Thresholds of the validator's warnings."""
 
@@ -184,5 +195,6 @@ class Config:
     cluster: ClusterConfig = field(default_factory=ClusterConfig)
     backend: BackendConfig = field(default_factory=BackendConfig)
     data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     checks: ChecksConfig = field(default_factory=ChecksConfig)
     description: str = ""  # a recipe says what it is for

@@ -137,7 +137,8 @@ def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
     gemm_fwd = sum(2 * tokens * n * k / (peak * shape_efficiency(tokens, n, k)) for n, k in gemms)
     heads = m.num_attention_heads / tp
     if cfg.train.attention_backend == "flash":  # skips the masked half of the causal scores
-        core_fwd = 2 * 2 * tokens * seq * (q / tp) * 0.5 / (core_peak * ATTENTION_EFFICIENCY * shape_efficiency(tokens, d))
+        block = seq / (2 * cp) if cp > 1 else tokens  # context parallel attends in 2*cp chunks
+        core_fwd = 2 * 2 * tokens * seq * (q / tp) * 0.5 / (core_peak * ATTENTION_EFFICIENCY * shape_efficiency(block, d))
     else:  # batched GEMMs per head over all s^2 scores, softmax through HBM (2 passes fwd, 3 bwd / 3)
         core_fwd = 2 * 2 * tokens * seq * (q / tp) / (core_peak * shape_efficiency(seq, seq, d))
         core_fwd += 5 / 3 * heads * tokens * seq * nbytes / hbm
@@ -150,8 +151,11 @@ def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
         layer += gemm_fwd + core_fwd + elementwise / 3
     elif recompute == "selective":
         layer += core_fwd
-    cp_comm = _ring_time(tokens * 2 * kv / tp * nbytes, cp, c.intra_node_bandwidth_gbs, 1.0) * 3 if cp > 1 else 0.0
-    layer += cp_comm  # ring exchange of K/V blocks (Megatron context parallel), assumed exposed
+    if cp > 1:  # K/V blocks travel the cp ring (cp-1 hops; backward also returns dK/dV), hidden
+        # under the attention of each step (Megatron context parallel, Liu et al. 2023 "Ring Attention")
+        cp_bw = c.inter_node_bandwidth_gbs if _spans_nodes(cfg, cp, tp) else c.intra_node_bandwidth_gbs
+        ring = 3 * _ring_time(tokens * 2 * kv / tp * nbytes, cp, cp_bw, float(cp))
+        layer += _overlapped(ring, 3 * core_fwd)
 
     # --- per micro-batch on the slowest stage (the last one adds the logits)
     vocab_shard = layout.padded_vocab_size / tp

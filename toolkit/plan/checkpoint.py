@@ -1,0 +1,69 @@
+"""How often to checkpoint: Young's and Daly's optimal intervals, and the rework bound.
+
+With save time delta and mean time between failures M of the whole job (per-GPU MTBF / N GPUs):
+  Young (1974), "A first order approximation to the optimum checkpoint interval":
+      tau = sqrt(2 delta M)
+  Daly (2006), "A higher order estimate of the optimum checkpoint interval for restart dumps",
+  eq. 37 (for delta < 2M):  tau = sqrt(2 delta M) [1 + sqrt(delta/(2M))/3 + delta/(18M)] - delta,
+      else tau = M.
+  A failure loses on average half an interval of work: to keep the expected rework under R,
+  tau <= 2R.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+from toolkit.config.schema import Config
+from toolkit.plan.layout import Layout, world_size
+from toolkit.plan.params import model_params
+
+
+def checkpoint_bytes(cfg: Config, layout: Layout) -> float:
+    """Weights plus optimizer states of the whole model (what a resumable checkpoint holds)."""
+    params = model_params(cfg.model, layout.padded_vocab_size)
+    per_param = 4 + 8 if cfg.precision.dtype == "fp32" else 2 + 4 + 8  # (bf16 weights +) fp32 master + Adam m, v
+    return params * per_param
+
+
+def estimated_save_seconds(cfg: Config, layout: Layout) -> float:
+    """Every node writes its shards in parallel (distributed checkpointing)."""
+    return checkpoint_bytes(cfg, layout) / (cfg.cluster.checkpoint_write_gbs_per_node * 1e9 * cfg.cluster.nodes)
+
+
+@dataclass(frozen=True)
+class CheckpointPlan:
+    save_seconds: float
+    save_measured: bool
+    job_mtbf_hours: float
+    young_minutes: float
+    daly_minutes: float
+    rework_bound_minutes: float
+    recommended_minutes: float
+    recommended_steps: int | None  # with the planner's step time
+
+    @property
+    def overhead(self) -> float:
+        """Fraction of time spent saving at the recommended interval."""
+        return self.save_seconds / (self.recommended_minutes * 60)
+
+
+def young_interval(delta: float, mtbf: float) -> float:
+    return math.sqrt(2 * delta * mtbf)
+
+
+def daly_interval(delta: float, mtbf: float) -> float:
+    if delta >= 2 * mtbf:
+        return mtbf
+    return math.sqrt(2 * delta * mtbf) * (1 + math.sqrt(delta / (2 * mtbf)) / 3 + delta / (18 * mtbf)) - delta
+
+
+def checkpoint_plan(cfg: Config, layout: Layout, step_seconds: float | None = None) -> CheckpointPlan:
+    measured = cfg.checkpoint.save_seconds is not None
+    delta = cfg.checkpoint.save_seconds if measured else estimated_save_seconds(cfg, layout)
+    mtbf = cfg.cluster.gpu_mtbf_hours * 3600 / world_size(cfg)
+    young, daly = young_interval(delta, mtbf), daly_interval(delta, mtbf)
+    rework = 2 * cfg.checkpoint.acceptable_rework_minutes * 60
+    recommended = min(daly, rework)
+    steps = max(1, round(recommended / step_seconds)) if step_seconds else None
+    return CheckpointPlan(delta, measured, mtbf / 3600, young / 60, daly / 60, rework / 60, recommended / 60, steps)
