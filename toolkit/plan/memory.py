@@ -6,8 +6,9 @@ Model states per parameter on a rank holding P parameters, data-parallel (shardi
   grad_reduce_in_fp32), fp32 main params + Adam m, v 12 (/d with the distributed optimizer:
   6 + 12/d bytes). fp32 training keeps no separate main copy: 4 + 4 + 8 (/d).
 - DeepSpeed ZeRO (Rajbhandari et al. 2020, "ZeRO", section 5 and Figure 1), as DeepSpeed 0.19
-  implements it: stage 0 all local; stage 1 partitions the fp32 master copy and Adam states;
-  stage 2 also the gradients (the .grad of a parameter is freed once reduced); stage 3 also the
+  implements it (measured in tests/test_memory_engines.py): stage 0 all local; stages 1 and 2
+  partition the fp32 master copy, the Adam states and the gradients (DeepSpeed reduces stage-1
+  gradients into partitions like stage 2, unlike the paper's 4 + 12/d); stage 3 also the
   parameters. Stages 1-3 keep an fp32 master partition even when training in fp32.
 Activations per layer follow Korthikanti et al. 2022, "Reducing Activation Recomputation in
 Large Transformer Models", section 4 (34 s b h + 5 a s^2 b bytes in fp16 with dropout),
@@ -60,7 +61,7 @@ def model_state_bytes(params: int, dtype: str, backend: str, zero: int, shard: i
     # DeepSpeed: stages >= 1 keep an fp32 master partition even for fp32 params.
     master = 4 if zero >= 1 else master
     weights = weight * p / (shard if zero >= 3 else 1)
-    grads = grad * p / (shard if zero >= 2 else 1)
+    grads = grad * p / (shard if zero >= 1 else 1)
     optimizer = (master + adam) * p / (shard if zero >= 1 else 1)
     if offload_optimizer:
         optimizer = 0.0

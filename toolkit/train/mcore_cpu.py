@@ -1,18 +1,35 @@
 """Compatibility layer that lets megatron-core run where CUDA and triton are absent.
 
-Everything parakit needs to run megatron-core on CPU lives in this module. With CUDA and triton
-present, every function here is a no-op.
+Everything parakit needs to run megatron-core on CPU with gloo lives in this module; with CUDA
+present `enable()` does nothing. megatron-core hard-codes CUDA in many places (device="cuda" and
+torch.cuda.current_device() in DDP buffers, p2p buffers, attention masks, the RNG tracker,
+streams), so instead of patching call sites one by one:
+- a TorchFunctionMode maps CUDA devices to the CPU and makes .cuda()/.pin_memory() no-ops;
+- torch.cuda's device, stream, synchronisation and RNG functions get CPU stand-ins;
+- Tensor.type() reports "torch.cuda.*" where the optimizer checks for it.
+Two DistributedOptimizer fixes concern torch's Adam fallback (no apex / Transformer Engine):
+loading tolerates the missing per-parameter 'step', and each parameter gets its own 'step'
+tensor after a load (one shared tensor is incremented once per parameter: wrong bias correction).
+Callers must also set use_cpu_initialization=True, pipeline_dtype, and batch_p2p_comm=False
+(gloo pairs batched isend/irecv wrongly when the previous and next stage are one peer); the
+emitter does that for cluster.device=cpu.
 """
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import sys
 import types
+
+import torch
+from torch.overrides import TorchFunctionMode
 
 # megatron-core 0.19.2 imports triton unconditionally in this one MoE kernel module (pulled in
 # by megatron.core.distributed -> pipeline_parallel.schedules). A stub for that leaf only: a
 # global fake `triton` would make torch._inductor believe triton exists and crash.
 _TRITON_LEAF = "megatron.core.transformer.moe.ops.paged_stash"
+_CPU = torch.device("cpu")
+_mode: TorchFunctionMode | None = None
 
 
 def _kernel_unavailable(*_args, **_kwargs):
@@ -28,3 +45,98 @@ def import_shims() -> None:
     stub.paged_stash_copy_kernel = _kernel_unavailable
     stub.paged_stash_pop_kernel = _kernel_unavailable
     sys.modules[_TRITON_LEAF] = stub
+
+
+def _to_cpu(device):
+    is_cuda = isinstance(device, int) and not isinstance(device, bool) or \
+        isinstance(device, str) and device.startswith("cuda") or \
+        isinstance(device, torch.device) and device.type == "cuda"
+    return _CPU if is_cuda else device
+
+
+class _CudaOnCpu(TorchFunctionMode):
+    def __torch_function__(self, func, types_, args=(), kwargs=None):
+        kwargs = dict(kwargs or {})
+        if func in (torch.Tensor.cuda, torch.Tensor.pin_memory):
+            return args[0]
+        if func is torch.Tensor.is_pinned:
+            return False
+        if func is torch.Tensor.type and len(args) == 1 and not kwargs:
+            name = func(*args)  # the optimizer compares with "torch.cuda.FloatTensor"
+            return name.replace("torch.", "torch.cuda.", 1) if not name.startswith("torch.cuda.") else name
+        if "device" in kwargs:
+            kwargs["device"] = _to_cpu(kwargs["device"])
+        if kwargs.get("pin_memory"):
+            kwargs["pin_memory"] = False
+        if func is torch.Tensor.to and len(args) > 1:
+            args = (args[0], _to_cpu(args[1]), *args[2:])
+        return func(*args, **kwargs)
+
+
+class _SynchronousStream:
+    """torch.cuda.Stream / Event on the CPU, where everything is already synchronous."""
+
+    def __init__(self, *args, **kwargs):
+        pass
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return lambda *a, **k: True if name == "query" else None
+
+
+def _patch_torch_cuda() -> None:
+    cuda = torch.cuda
+    cuda.current_device = lambda: 0  # the mode maps device 0 to the CPU
+    cuda.synchronize = lambda *a, **k: None
+    cuda.empty_cache = lambda *a, **k: None
+    cuda.current_stream = cuda.default_stream = lambda *a, **k: _SynchronousStream()
+    cuda.Stream = cuda.Event = _SynchronousStream
+    cuda.stream = lambda *a, **k: contextlib.nullcontext()
+    cuda.get_rng_state = cuda.random.get_rng_state = lambda *a, **k: torch.get_rng_state()
+    cuda.set_rng_state = cuda.random.set_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    # torch.manual_seed calls torch.cuda.manual_seed_all: seed the default generator directly.
+    cuda.manual_seed = lambda seed: torch.default_generator.manual_seed(int(seed))
+    cuda.memory_allocated = cuda.max_memory_allocated = lambda *a, **k: 0
+    cuda.nvtx.range_push = cuda.nvtx.range_pop = lambda *a, **k: None
+
+
+def _patch_megatron() -> None:
+    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
+    from megatron.core.tensor_parallel import random as megatron_random
+
+    megatron_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
+    megatron_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    if getattr(DistributedOptimizer, "_parakit_cpu", False):
+        return
+    set_states, load = DistributedOptimizer._set_main_param_and_optimizer_states, DistributedOptimizer.load_state_dict
+
+    class _Missing(dict):
+        def __missing__(self, key):
+            return None
+
+    def set_main_param_and_optimizer_states(self, main_param, tensors):
+        return set_states(self, main_param, _Missing(tensors))
+
+    def load_state_dict(self, state_dict):
+        result = load(self, state_dict)
+        for state in self.optimizer.state.values():
+            if isinstance(state.get("step"), torch.Tensor):
+                state["step"] = state["step"].clone()
+        return result
+
+    DistributedOptimizer._set_main_param_and_optimizer_states = set_main_param_and_optimizer_states
+    DistributedOptimizer.load_state_dict = load_state_dict
+    DistributedOptimizer._parakit_cpu = True
+
+
+def enable() -> None:
+    """Run megatron-core on the CPU from here on (no-op when CUDA is available)."""
+    global _mode
+    import_shims()
+    if torch.cuda.is_available() or _mode is not None:
+        return
+    _patch_torch_cuda()
+    _patch_megatron()
+    _mode = _CudaOnCpu()
+    _mode.__enter__()
