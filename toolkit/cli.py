@@ -22,6 +22,8 @@ commands:
              megatron_args.txt and launch.sh into the Hydra run directory
   plan       search every valid layout for the model on the cluster, drop those that do not
              fit, rank the rest by predicted throughput (--top N, --json for machines)
+  train      validate, generate the run directory, then train: in this process for one
+             rank, through torchrun for several (cluster.gpus_per_node ranks on this machine)
 
 overrides are Hydra's: model=llama3_8b cluster=8xh100 parallel.tp=8 zero=1 precision=bf16
 recompute=selective backend=megatron train.global_batch=512 recipe=NAME (see conf/ and recipes/)
@@ -67,12 +69,16 @@ def _run(command: str, cfg_node) -> int:
         return 2
     layout = resolve(cfg)
     print(_summary(cfg, layout))
-    if command == "generate":
+    if command in ("generate", "train"):
         from toolkit.emit.files import write_run_files
 
         out_dir = Path(HydraConfig.get().runtime.output_dir)
         for path in write_run_files(cfg, layout, out_dir):
             print(f"wrote {path}")
+        if command == "train":
+            from toolkit.train.launch import train_here
+
+            return train_here(cfg, layout, out_dir)
     else:
         print("valid" + (f" ({len(report.warnings)} warning(s))" if report.warnings else ""))
     return 0
@@ -106,7 +112,7 @@ def main(argv: list[str] | None = None) -> int:
         overrides = _take_plan_options(overrides)
         if overrides is None:
             return 2
-    if command not in ("validate", "generate", "plan"):
+    if command not in ("validate", "generate", "plan", "train"):
         print(f"parakit: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
         return 2
 

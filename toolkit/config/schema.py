@@ -125,6 +125,10 @@ class TrainConfig:
     # flash: fused attention kernels that store no s^2 scores (FlashAttention, cuDNN);
     # unfused: QK^T, softmax and AV as separate kernels (pre-2023 Megatron, eager PyTorch on CPU).
     attention_backend: str = "flash"
+    # Start from these model weights (a megatron-core dist checkpoint, any layout: resharded on load).
+    init_checkpoint: Optional[str] = None
+    # Save the initial weights there before the first step (to start other layouts from them).
+    save_init_checkpoint: Optional[str] = None
 
 
 @dataclass

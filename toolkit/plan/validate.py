@@ -209,6 +209,9 @@ def _parallel(cfg: Config) -> Iterator[Violation]:
         yield _err("sp_seq", {"parallel.sequence_parallel": True, "model.seq_length": m.seq_length, "parallel.tp": p.tp},
                    "sequence parallel needs the sequence length divisible by tp",
                    f"use model.seq_length={m.seq_length - m.seq_length % p.tp or p.tp}")
+    if p.cp > 1 and c.device == "cpu":
+        yield _err("cp_cpu", {"parallel.cp": p.cp, "cluster.device": "cpu"},
+                   "context parallel attention runs through Transformer Engine, which needs CUDA", "use parallel.cp=1 on CPU")
     if p.cp > 1 and m.seq_length % (2 * p.cp):
         yield _err("cp_seq", {"parallel.cp": p.cp, "model.seq_length": m.seq_length},
                    "context parallel splits each sequence into 2*cp load-balanced chunks",

@@ -9,12 +9,13 @@ from __future__ import annotations
 from toolkit.emit.megatron import build_megatron_configs
 
 
-def build_model_chunks(sections: dict) -> list:
+def build_model_chunks(sections: dict, transformer_config=None) -> list:
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
     from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
-    transformer_config, _, _ = build_megatron_configs(sections)
+    if transformer_config is None:
+        transformer_config, _, _ = build_megatron_configs(sections)
     gpt = sections["gpt_model"]
     vpp = transformer_config.virtual_pipeline_model_parallel_size
     spec = get_gpt_layer_local_spec(normalization=transformer_config.normalization)

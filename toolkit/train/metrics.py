@@ -1,0 +1,101 @@
+"""Training metrics on rank 0: console/progress bar, TensorBoard events and metrics.jsonl.
+
+Throughput uses the planner's FLOP count (toolkit.plan.flops), so measured TFLOP/s and MFU are
+comparable with `parakit plan`; the planner's predicted step time and memory sit beside the
+measured ones.
+"""
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import torch
+
+from toolkit.config.schema import Config
+from toolkit.plan.flops import step_flops
+from toolkit.plan.layout import Layout
+from toolkit.plan.memory import GIB, peak_memory
+from toolkit.plan.perf import estimate_step, mfu_peak_flops
+
+
+def peak_memory_gib() -> float:
+    """Peak CUDA memory of this process, or its resident set size on CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / GIB
+    return psutil.Process().memory_info().rss / GIB
+
+
+class Metrics:
+    def __init__(self, cfg: Config, layout: Layout, run_dir: Path, enabled: bool):
+        self.cfg, self.layout, self.enabled = cfg, layout, enabled
+        flops = step_flops(cfg.model, layout.seq_length, layout.global_batch, cfg.recompute.granularity, layout.padded_vocab_size)
+        self.model_flops_per_step = flops.model
+        self.tokens_per_step = flops.tokens
+        self.peak = mfu_peak_flops(cfg)
+        self.predicted_step = estimate_step(cfg, layout).step_time
+        self.predicted_memory = peak_memory(cfg, layout).total / GIB
+        self.history: list[dict] = []
+        self._jsonl = self._tb = self._bar = None
+        if enabled:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self._jsonl = open(run_dir / "metrics.jsonl", "a")
+            from torch.utils.tensorboard import SummaryWriter
+
+            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+            if sys.stderr.isatty():
+                from tqdm import tqdm
+
+                self._bar = tqdm(total=layout.steps, desc="training", unit="step")
+            print(f"planner: predicted step {self.predicted_step:.3g} s, peak memory {self.predicted_memory:.2f} GiB per rank",
+                  flush=True)
+        self._last = time.perf_counter()
+
+    def step(self, step: int, loss: float, lr: float, grad_norm: float | None, skipped: bool) -> None:
+        now = time.perf_counter()
+        seconds, self._last = now - self._last, now
+        record = {
+            "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": skipped, "step_time_s": seconds,
+            "tokens_per_s": self.tokens_per_step / seconds,
+            "tflops_per_gpu": self.model_flops_per_step / seconds / self.layout.world_size / 1e12,
+            "mfu": self.model_flops_per_step / seconds / self.layout.world_size / self.peak,
+            "memory_gib": peak_memory_gib(), "predicted_step_time_s": self.predicted_step,
+            "predicted_memory_gib": self.predicted_memory,
+        }
+        self.history.append(record)
+        if not self.enabled:
+            return
+        self._jsonl.write(json.dumps(record) + "\n")
+        self._jsonl.flush()
+        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_gpu", "mfu", "memory_gib"):
+            if record[key] is not None:
+                self._tb.add_scalar(f"train/{key}", record[key], step)
+        if self._bar is not None:
+            self._bar.update(1)
+            self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
+        if step % self.cfg.train.log_interval == 0 or step == self.layout.steps:
+            line = (f"step {step:>5}/{self.layout.steps} | loss {loss:.4f} | lr {lr:.3e} | grad norm "
+                    f"{grad_norm if grad_norm is None else f'{grad_norm:.3f}'} | {record['step_time_s']:.2f} s "
+                    f"(planner {self.predicted_step:.2g} s) | {record['tokens_per_s']:,.0f} tok/s | "
+                    f"{record['tflops_per_gpu']:.3g} TFLOP/s/GPU | MFU {record['mfu']:.1%} | "
+                    f"{'GPU peak' if torch.cuda.is_available() else 'RSS'} {record['memory_gib']:.2f} GiB "
+                    f"(planner {self.predicted_memory:.2f} GiB{'' if torch.cuda.is_available() else ' of tensors'})")
+            (self._bar.write if self._bar is not None else print)(line)
+            sys.stdout.flush()
+
+    def close(self, run_dir: Path) -> None:
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.close()
+        self._jsonl.close()
+        self._tb.close()
+        summary = {"steps": len(self.history), "losses": [r["loss"] for r in self.history],
+                   "final_loss": self.history[-1]["loss"] if self.history else None,
+                   "mean_tokens_per_s": sum(r["tokens_per_s"] for r in self.history[1:]) / max(1, len(self.history) - 1)}
+        tmp = run_dir / ".result.json.tmp"
+        tmp.write_text(json.dumps(summary, indent=2))
+        os.replace(tmp, run_dir / "result.json")  # written last: a finished run has result.json
