@@ -209,6 +209,10 @@ def _parallel(cfg: Config) -> Iterator[Violation]:
         yield _err("sp_seq", {"parallel.sequence_parallel": True, "model.seq_length": m.seq_length, "parallel.tp": p.tp},
                    "sequence parallel needs the sequence length divisible by tp",
                    f"use model.seq_length={m.seq_length - m.seq_length % p.tp or p.tp}")
+    if p.sequence_parallel and c.device == "cpu" and cfg.backend.name == "megatron":
+        yield _err("sp_cpu", {"parallel.sequence_parallel": True, "cluster.device": "cpu"},
+                   "megatron-core's sequence-parallel norms come from Transformer Engine or apex, which need CUDA",
+                   "set parallel.sequence_parallel=false on CPU")
     if p.cp > 1 and c.device == "cpu":
         yield _err("cp_cpu", {"parallel.cp": p.cp, "cluster.device": "cpu"},
                    "context parallel attention runs through Transformer Engine, which needs CUDA", "use parallel.cp=1 on CPU")

@@ -60,20 +60,21 @@ def _forward_step(data_iterator, model):
 
 
 def _load_weights(chunks: list, path: str) -> None:
+    """Load model weights saved at any layout (dist_checkpointing reshards). All chunks in one
+    call: their sharded tensors together cover every layer, which the loader validates."""
     from megatron.core import dist_checkpointing
 
-    for chunk in chunks:
-        chunk.load_state_dict(dist_checkpointing.load(chunk.sharded_state_dict(), path), strict=True)
+    loaded = dist_checkpointing.load({f"chunk{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}, path)
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(loaded[f"chunk{i}"], strict=True)
 
 
 def _save_weights(chunks: list, path: str) -> None:
+    """Save model weights layout-free: sharded tensors carry global layer keys and offsets."""
     from megatron.core import dist_checkpointing
 
-    state = {}
-    for chunk in chunks:  # layer keys are global, so chunks merge into one layout-free state
-        state.update(chunk.sharded_state_dict())
     Path(path).mkdir(parents=True, exist_ok=True)
-    dist_checkpointing.save(state, path)
+    dist_checkpointing.save({f"chunk{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}, path)
 
 
 def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
