@@ -6,19 +6,38 @@ output layer on the last chunk of the last stage.
 """
 from __future__ import annotations
 
+import importlib.util
+
+import torch
+
 from toolkit.emit.megatron import build_megatron_configs
 
 
-def build_model_chunks(sections: dict, transformer_config=None) -> list:
+def layer_spec(transformer_config, sdpa: bool | None = None):
+    """Transformer Engine's layer spec when TE is importable on a GPU; else megatron-core's local
+    spec, with torch SDPA as core attention on a GPU (or when `sdpa` asks for it)."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec, get_gpt_layer_with_transformer_engine_spec
+
+    on_gpu = torch.cuda.is_available()
+    if on_gpu and importlib.util.find_spec("transformer_engine") is not None:
+        return get_gpt_layer_with_transformer_engine_spec()
+    spec = get_gpt_layer_local_spec(normalization=transformer_config.normalization)
+    if sdpa if sdpa is not None else on_gpu:
+        from toolkit.train.sdpa_attention import SdpaAttention
+
+        spec.submodules.self_attention.submodules.core_attention = SdpaAttention
+    return spec
+
+
+def build_model_chunks(sections: dict, transformer_config=None, spec=None) -> list:
     from megatron.core import parallel_state
     from megatron.core.models.gpt import GPTModel
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 
     if transformer_config is None:
         transformer_config, _, _ = build_megatron_configs(sections)
     gpt = sections["gpt_model"]
     vpp = transformer_config.virtual_pipeline_model_parallel_size
-    spec = get_gpt_layer_local_spec(normalization=transformer_config.normalization)
+    spec = spec or layer_spec(transformer_config)
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
