@@ -41,6 +41,9 @@ class ModelConfig:
     init_method_std: float = 0.02
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
+    # A local Hugging Face model directory (config.json + safetensors) to start from on the
+    # deepspeed backend; its architecture must match the fields above.
+    hf_path: Optional[str] = None
 
 
 @dataclass

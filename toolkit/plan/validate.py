@@ -310,6 +310,10 @@ def _backend(cfg: Config) -> Iterator[Violation]:
             yield _err("recompute_backend", {"recompute.granularity": "selective", "backend.name": b},
                        "transformers models checkpoint whole layers only", "use recompute=full or backend=megatron")
     if b == "megatron":
+        if cfg.model.hf_path:
+            yield _err("hf_path_backend", {"model.hf_path": cfg.model.hf_path, "backend.name": b},
+                       "Hugging Face weights load on the deepspeed backend",
+                       "use backend=deepspeed, or convert them to a Megatron checkpoint and set train.init_checkpoint")
         if z.stage >= 2:
             yield _err("zero_megatron", {"zero.stage": z.stage, "backend.name": b},
                        "the megatron backend shards optimizer state across DP (distributed optimizer = zero=1) only",

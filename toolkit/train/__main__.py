@@ -51,7 +51,7 @@ def run(cfg: Config, run_dir: Path) -> list[float]:
     if cfg.backend.name == "megatron":
         from toolkit.train.megatron_backend import train
     else:
-        raise NotImplementedError("backend=deepspeed training is not implemented yet; use backend=megatron")
+        from toolkit.train.deepspeed_backend import train
     return train(cfg, layout, run_dir)
 
 

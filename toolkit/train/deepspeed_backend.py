@@ -1,0 +1,159 @@
+"""The deepspeed backend: a transformers model under DeepSpeed ZeRO 0-3 (zero.Init for stage 3),
+with optimizer/parameter offload, activation checkpointing and, for pp > 1, DeepSpeed's
+PipelineModule over the same transformers layers (toolkit.train.deepspeed_pipe).
+
+The engine runs with exactly the JSON parakit emitted for the layout. On CPU, DeepSpeed's
+shared-memory collective (a C++ extension compiled at start-up) is skipped so that no compiler
+is needed: gloo does every collective, with identical results.
+"""
+from __future__ import annotations
+
+import importlib
+import os
+import random
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from toolkit.config.schema import Config
+from toolkit.emit.deepspeed import deepspeed_config
+from toolkit.plan.layout import Layout
+from toolkit.train.data import micro_batches, train_dataset
+from toolkit.train.metrics import Metrics
+
+
+def init_deepspeed():
+    if not torch.cuda.is_available():
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        # The attribute deepspeed.comm.torch is shadowed by the torch module: import by name.
+        importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+    import deepspeed
+
+    if "RANK" not in os.environ:  # a single process outside torchrun
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(29400 + os.getpid() % 1000)))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    return deepspeed
+
+
+def build_hf_model(cfg: Config, ds_json: dict, deepspeed):
+    """The transformers model: random init from conf/model, or the weights of model.hf_path.
+    ZeRO-3 builds it under zero.Init so that no rank ever holds all parameters."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from toolkit.interop.hf import check_hf_matches, hf_config
+
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision.dtype, torch.float32)
+    config = hf_config(cfg.model)
+    if cfg.model.hf_path:
+        check_hf_matches(cfg.model, cfg.model.hf_path)
+    model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    if cfg.zero.stage == 3:
+        # transformers' DeepSpeed integration: with this object alive, from_config/from_pretrained
+        # build the model under deepspeed.zero.Init and gather each module's partitioned
+        # parameters while initialising or loading them (so the weights equal the unsharded ones).
+        from transformers.integrations import HfDeepSpeedConfig
+
+        build_hf_model.zero3_config = HfDeepSpeedConfig(ds_json)
+    if cfg.model.hf_path:
+        model = model_class.from_pretrained(cfg.model.hf_path, dtype=torch.float32)
+    else:
+        model = model_class._from_config(config, dtype=torch.float32)
+        seeded_init(model, cfg.model.init_method_std, cfg.model.num_layers, cfg.train.seed, deepspeed if cfg.zero.stage == 3 else None)
+    if cfg.recompute.granularity == "full":
+        # Non-reentrant checkpointing: the reentrant kind silently drops the gradients of a
+        # block whose inputs do not require grad (the embedding output under ZeRO-3, say).
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.config.use_cache = False
+    return model, dtype
+
+
+_OUTPUT_PROJECTIONS = ("o_proj", "down_proj", "attn.c_proj", "mlp.c_proj")
+
+
+def seeded_init(model, std: float, num_layers: int, seed: int, deepspeed=None) -> None:
+    """Initial weights that depend only on the seed and each parameter's name, never on how the
+    model was built (ZeRO-3's zero.Init consumes the RNG differently): norms 1, biases 0,
+    matrices N(0, std), output projections N(0, std / sqrt(2 L)) (Megatron-LM's scaled init,
+    Shoeybi et al. 2019). Under ZeRO-3 each parameter is gathered, set on rank 0, re-partitioned."""
+    import zlib
+
+    for name, param in model.named_parameters():
+        gather = deepspeed.zero.GatheredParameters([param], modifier_rank=0) if deepspeed else _NoGather()
+        with gather, torch.no_grad():
+            if deepspeed and torch.distributed.get_rank() != 0:
+                continue
+            if name.endswith("bias"):
+                param.zero_()
+            elif param.dim() == 1:  # norm weights
+                param.fill_(1.0)
+            else:
+                scale = std / (2 * num_layers) ** 0.5 if any(p in name for p in _OUTPUT_PROJECTIONS) else std
+                generator = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+                param.copy_(torch.randn(param.shape, generator=generator) * scale)
+
+
+class _NoGather:
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        return False
+
+
+def token_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """Mean cross entropy over the masked tokens; labels are already the next tokens (the same
+    loss megatron-core's GPTModel computes, no shift)."""
+    losses = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), reduction="none")
+    mask = loss_mask.reshape(-1).float()
+    return torch.sum(losses * mask) / mask.sum()
+
+
+def _seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
+    deepspeed = init_deepspeed()
+    world, rank = torch.distributed.get_world_size(), torch.distributed.get_rank()
+    if world != layout.world_size:
+        raise RuntimeError(f"launched with {world} processes but the layout needs {layout.world_size}")
+    _seed(cfg.train.seed)
+    ds_json = deepspeed_config(cfg, layout)
+    if layout.pp > 1:
+        from toolkit.train.deepspeed_pipe import train_pipeline
+
+        return train_pipeline(cfg, layout, run_dir, deepspeed, ds_json)
+    model, dtype = build_hf_model(cfg, ds_json, deepspeed)
+    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
+                                           config=ds_json)
+    dataset = train_dataset(cfg, layout)
+    batches = micro_batches(dataset, layout, dp_rank=rank)
+    device = engine.device
+    metrics = Metrics(cfg, layout, run_dir, enabled=rank == 0)
+    for step in range(1, layout.steps + 1):
+        total = torch.zeros((), dtype=torch.float32)
+        for _ in range(layout.grad_accum):
+            batch = {k: v.to(device) for k, v in next(batches).items()}
+            logits = engine(input_ids=batch["tokens"], position_ids=batch["position_ids"]).logits
+            loss = token_loss(logits, batch["labels"], batch["loss_mask"])
+            engine.backward(loss)
+            engine.step()  # DeepSpeed updates only at the accumulation boundary
+            total += loss.detach().float().cpu()
+        total /= layout.grad_accum
+        torch.distributed.all_reduce(total)
+        grad_norm = engine.get_global_grad_norm()
+        skipped = bool(getattr(engine, "skipped_steps", 0)) and engine.was_step_applied() is False
+        metrics.step(step, total.item() / layout.dp, engine.get_lr()[0],
+                     None if grad_norm is None else float(grad_norm), skipped)
+    metrics.close(run_dir)
+    losses = [r["loss"] for r in metrics.history]
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+    return losses
