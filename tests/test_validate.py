@@ -42,6 +42,7 @@ ERROR_CASES = [
     ("grad_accum", ["train.grad_accum=3"], ["train.grad_accum=2"], "train.grad_accum"),
     ("zero_pipeline", [DS, "zero=2", "parallel.pp=2"], [DS, "zero=1", "parallel.pp=2"], "zero.stage"),
     ("deepspeed_layout", [DS, "parallel.tp=2"], ["backend=megatron", "parallel.tp=2"], "parallel.tp"),
+    ("pipeline_tied_embeddings", [DS, "parallel.pp=2", "model.tie_embeddings=true"], [DS, "parallel.pp=2"], "model.tie_embeddings"),
     ("fp8_backend", [DS, "precision=fp8", H100], ["backend=megatron", "precision=fp8", H100], "precision.dtype"),
     ("recompute_backend", [DS, "recompute=selective"], [DS, "recompute=full"], "recompute.granularity"),
     ("zero_megatron", ["zero=2"], ["zero=2", DS], "zero.stage"),

@@ -13,7 +13,8 @@ def hf_config(m: ModelConfig):
             vocab_size=m.vocab_size, n_positions=m.max_position_embeddings, n_embd=m.hidden_size, n_layer=m.num_layers,
             n_head=m.num_attention_heads, n_inner=m.ffn_hidden_size, layer_norm_epsilon=m.norm_epsilon,
             resid_pdrop=m.hidden_dropout, embd_pdrop=m.hidden_dropout, attn_pdrop=m.attention_dropout,
-            initializer_range=m.init_method_std, tie_word_embeddings=m.tie_embeddings)
+            initializer_range=m.init_method_std, tie_word_embeddings=m.tie_embeddings,
+            activation_function="gelu")  # exact (erf) GeLU, as megatron-core's F.gelu
     from transformers import LlamaConfig
 
     return LlamaConfig(

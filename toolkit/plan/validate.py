@@ -303,6 +303,10 @@ def _backend(cfg: Config) -> Iterator[Violation]:
             yield _err("deepspeed_layout", {**unsupported, "backend.name": b},
                        "the deepspeed backend trains transformers models with DP, ZeRO and (non-interleaved) pipeline only",
                        "use backend=megatron for tensor, context, sequence parallel and interleaving")
+        if p.pp > 1 and cfg.model.tie_embeddings:
+            yield _err("pipeline_tied_embeddings", {"parallel.pp": p.pp, "model.tie_embeddings": True, "backend.name": b},
+                       "the deepspeed pipeline keeps the input embedding and the output head on different stages",
+                       "use parallel.pp=1, model.tie_embeddings=false, or backend=megatron")
         if cfg.precision.dtype == "fp8":
             yield _err("fp8_backend", {"precision.dtype": "fp8", "backend.name": b},
                        "FP8 training runs through Transformer Engine on the megatron backend", "use precision=bf16 or backend=megatron")

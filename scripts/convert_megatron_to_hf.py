@@ -1,0 +1,59 @@
+"""Convert megatron-core weights (a dist checkpoint saved at any tp/pp layout, e.g. by
+train.save_init_checkpoint) into a Hugging Face transformers directory (config.json +
+model.safetensors) that `backend=deepspeed model.hf_path=...` or transformers can load.
+
+    python scripts/convert_megatron_to_hf.py --config RUN_DIR/config.yaml --checkpoint CKPT_DIR --out HF_DIR
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from pathlib import Path
+
+import torch
+
+from toolkit.train import mcore_cpu
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--config", type=Path, required=True, help="the run's resolved config.yaml")
+    parser.add_argument("--checkpoint", type=Path, required=True, help="megatron-core dist checkpoint of the model")
+    parser.add_argument("--out", type=Path, required=True)
+    args = parser.parse_args()
+
+    mcore_cpu.enable()
+    from megatron.core import dist_checkpointing, parallel_state
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+    from toolkit.emit.megatron import megatron_sections
+    from toolkit.interop.convert import megatron_to_hf
+    from toolkit.interop.hf import hf_config
+    from toolkit.plan.layout import resolve
+    from toolkit.train.__main__ import load_run_config
+    from toolkit.train.megatron_model import build_model_chunks
+
+    cfg = load_run_config(args.config.parent, args.config.stem)
+    # One process holds the whole model: tp = pp = 1 (dist_checkpointing reshards on load).
+    cfg = dataclasses.replace(
+        cfg, parallel=dataclasses.replace(cfg.parallel, tp=1, pp=1, vpp=1, cp=1, dp=None, sequence_parallel=False,
+                                          first_stage_layers=None, last_stage_layers=None),
+        cluster=dataclasses.replace(cfg.cluster, device="cpu", nodes=1, gpus_per_node=1),
+        precision=dataclasses.replace(cfg.precision, dtype="fp32"), zero=dataclasses.replace(cfg.zero, stage=0),
+        train=dataclasses.replace(cfg.train, global_batch=cfg.train.micro_batch, grad_accum=None))
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29561"), RANK="0", WORLD_SIZE="1")
+    torch.distributed.init_process_group("gloo")
+    parallel_state.initialize_model_parallel(1, 1)
+    (model,) = build_model_chunks(megatron_sections(cfg, resolve(cfg)))
+    model.load_state_dict(dist_checkpointing.load({"chunk0": model.sharded_state_dict()}, str(args.checkpoint))["chunk0"])
+    config = hf_config(cfg.model)
+    hf_model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
+    hf_model.load_state_dict(megatron_to_hf(model.state_dict(), cfg.model), strict=True)
+    hf_model.save_pretrained(args.out)
+    print(f"wrote {args.out}: {sum(p.numel() for p in hf_model.parameters()):,} parameters")
+    torch.distributed.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
