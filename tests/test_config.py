@@ -66,6 +66,8 @@ def _param_count(m) -> int:
     ("llama3_8b", 8_030_261_248),  # meta-llama/Llama-3.1-8B
     ("llama3_70b", 70_553_706_496),  # meta-llama/Llama-3.1-70B
     ("llama3_405b", 405_853_388_800),  # meta-llama/Llama-3.1-405B
+    ("qwen2_0_5b", 494_032_768),  # Qwen/Qwen2.5-0.5B
+    ("mistral_7b", 7_241_732_096),  # mistralai/Mistral-7B-v0.1
 ])
 def test_published_architectures_have_their_parameter_counts(compose, model, published):
     assert _param_count(compose(f"model={model}").model) == published

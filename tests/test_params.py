@@ -18,6 +18,8 @@ LAYOUTS = {
     "llama3_70b": [(1, 1, 1), (8, 4, 5)],
     "llama3_405b": [(1, 1, 1), (8, 7, 3), (8, 16, 1, 7, 7)],  # Llama 3's 7 + 14 x 8 + 7 split
     "gpt3_175b": [(1, 1, 1), (8, 8, 1), (8, 4, 3), (4, 4, 2, 20, 20)],
+    "qwen2_0_5b": [(1, 1, 1), (2, 4, 3)],
+    "mistral_7b": [(1, 1, 1), (8, 4, 2)],
 }
 CASES = [(model, *layout, None, None)[:6] for model, layouts in LAYOUTS.items() for layout in layouts]
 

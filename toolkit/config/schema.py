@@ -18,7 +18,8 @@ class ModelConfig:
     """A decoder-only transformer, described once for every consumer (planner, Megatron, HF)."""
 
     name: str = "tiny"
-    family: str = "llama"  # llama | gpt2 : the Hugging Face architecture it maps to
+    family: str = "llama"  # llama | qwen2 | mistral | gpt2: the Hugging Face architecture it maps to
+    sliding_window: Optional[int] = None  # mistral: attend to the last N tokens only
     num_layers: int = 8
     hidden_size: int = 64
     num_attention_heads: int = 4

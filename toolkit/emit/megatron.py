@@ -60,6 +60,7 @@ def _transformer(cfg: Config) -> dict:
         "add_bias_linear": m.add_bias_linear,
         "add_qkv_bias": m.add_qkv_bias,
         "gated_linear_unit": swiglu,
+        "window_size": (m.sliding_window, 0) if m.sliding_window else None,  # (left, right) tokens
         "activation_func": "silu" if swiglu else "gelu",  # SwiGLU = silu gate (Shazeer 2020)
         "init_method_std": m.init_method_std,
         "attention_softmax_in_fp32": True,

@@ -15,17 +15,25 @@ def hf_config(m: ModelConfig):
             resid_pdrop=m.hidden_dropout, embd_pdrop=m.hidden_dropout, attn_pdrop=m.attention_dropout,
             initializer_range=m.init_method_std, tie_word_embeddings=m.tie_embeddings,
             activation_function="gelu")  # exact (erf) GeLU, as megatron-core's F.gelu
-    from transformers import LlamaConfig
-
-    return LlamaConfig(
+    common = dict(
         vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
         num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
         num_key_value_heads=m.num_kv_heads or m.num_attention_heads,
         head_dim=m.head_dim or m.hidden_size // m.num_attention_heads,
         max_position_embeddings=m.max_position_embeddings, rms_norm_eps=m.norm_epsilon,
         rope_parameters={"rope_type": "default", "rope_theta": m.rotary_base},
-        attention_bias=m.add_bias_linear, mlp_bias=m.add_bias_linear, attention_dropout=m.attention_dropout,
-        initializer_range=m.init_method_std, tie_word_embeddings=m.tie_embeddings)
+        attention_dropout=m.attention_dropout, initializer_range=m.init_method_std, tie_word_embeddings=m.tie_embeddings)
+    if m.family == "qwen2":  # biases on q, k, v only
+        from transformers import Qwen2Config
+
+        return Qwen2Config(**common, use_sliding_window=False)
+    if m.family == "mistral":
+        from transformers import MistralConfig
+
+        return MistralConfig(**common, sliding_window=m.sliding_window)
+    from transformers import LlamaConfig
+
+    return LlamaConfig(**common, attention_bias=m.add_bias_linear, mlp_bias=m.add_bias_linear)
 
 
 def check_hf_matches(m: ModelConfig, path: str) -> None:

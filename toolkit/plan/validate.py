@@ -79,7 +79,7 @@ def _listing(values) -> str:
 
 # ---------------------------------------------------------------- value ranges and choices
 _CHOICES = {
-    "model.family": ("llama", "gpt2"),
+    "model.family": ("llama", "qwen2", "mistral", "gpt2"),
     "model.normalization": ("RMSNorm", "LayerNorm"),
     "model.activation": ("swiglu", "gelu"),
     "model.position_embedding": ("rope", "learned_absolute"),
@@ -303,6 +303,10 @@ def _backend(cfg: Config) -> Iterator[Violation]:
             yield _err("deepspeed_layout", {**unsupported, "backend.name": b},
                        "the deepspeed backend trains transformers models with DP, ZeRO and (non-interleaved) pipeline only",
                        "use backend=megatron for tensor, context, sequence parallel and interleaving")
+        if p.pp > 1 and cfg.model.sliding_window:
+            yield _err("pipeline_sliding_window", {"parallel.pp": p.pp, "model.sliding_window": cfg.model.sliding_window},
+                       "the deepspeed pipeline stages run decoder layers without the model's sliding-window mask",
+                       "use parallel.pp=1 on the deepspeed backend, or backend=megatron")
         if p.pp > 1 and cfg.model.tie_embeddings:
             yield _err("pipeline_tied_embeddings", {"parallel.pp": p.pp, "model.tie_embeddings": True, "backend.name": b},
                        "the deepspeed pipeline keeps the input embedding and the output head on different stages",
@@ -314,6 +318,10 @@ def _backend(cfg: Config) -> Iterator[Violation]:
             yield _err("recompute_backend", {"recompute.granularity": "selective", "backend.name": b},
                        "transformers models checkpoint whole layers only", "use recompute=full or backend=megatron")
     if b == "megatron":
+        if cfg.model.sliding_window and cfg.cluster.device == "cpu":
+            yield _err("sliding_window_cpu", {"model.sliding_window": cfg.model.sliding_window, "cluster.device": "cpu"},
+                       "megatron-core's sliding-window attention runs through Transformer Engine (CUDA)",
+                       "use backend=deepspeed on CPU, or model.sliding_window=null")
         if cfg.model.hf_path:
             yield _err("hf_path_backend", {"model.hf_path": cfg.model.hf_path, "backend.name": b},
                        "Hugging Face weights load on the deepspeed backend",
