@@ -24,7 +24,8 @@ PRECISION = ["fp32", "bf16", "fp16", "fp8"]
 RECOMPUTE = ["none", "selective", "full"]
 BACKEND = ["megatron", "deepspeed"]
 MODELS = [("tiny", "cpu"), ("gpt2_124m", "h100_cluster"), ("llama3_1b", "h100_cluster"), ("llama3_8b", "h100_cluster"),
-          ("llama3_70b", "h100_cluster"), ("llama3_405b", "h100_cluster"), ("gpt3_175b", "a100_cluster")]
+          ("llama3_70b", "h100_cluster"), ("llama3_405b", "h100_cluster"), ("gpt3_175b", "a100_cluster"),
+          ("qwen2_0_5b", "h100_cluster"), ("mistral_7b", "h100_cluster")]
 
 
 def variants(base):

@@ -189,6 +189,8 @@ def build_megatron_configs(sections: dict):
     transformer = {**dtypes(sections["model_parallel"]), **sections["transformer"]}
     transformer["activation_func"] = {"silu": F.silu, "gelu": F.gelu}[transformer["activation_func"]]
     transformer["attention_backend"] = AttnBackend[transformer["attention_backend"]]
+    if transformer.get("window_size") is not None:  # YAML gives a list
+        transformer["window_size"] = tuple(transformer["window_size"])
     return (
         TransformerConfig(**transformer),
         OptimizerConfig(**dtypes(sections["optimizer"])),
