@@ -7,7 +7,6 @@ emits, runs one optimizer step (so Adam states exist), then a forward and backwa
 step, and counts every live tensor storage (gc) at that point: weights, gradients, optimizer
 states and DeepSpeed's buffers, without activations (freed by backward).
 """
-import gc
 import importlib
 import json
 import os
@@ -15,23 +14,9 @@ import sys
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
+from live_tensors import live_tensor_bytes  # noqa: E402
 
 
-def live_tensor_bytes() -> int:
-    gc.collect()
-    seen, total = set(), 0
-    for obj in gc.get_objects():
-        try:
-            if not isinstance(obj, torch.Tensor) or obj.device.type == "meta":
-                continue
-            storage = obj.untyped_storage()
-        except Exception:
-            continue
-        key = storage.data_ptr()
-        if key and key not in seen:
-            seen.add(key)
-            total += storage.nbytes()
-    return total
 
 
 def main():

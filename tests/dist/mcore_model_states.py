@@ -6,32 +6,18 @@ Builds this rank's GPTModel chunks from the emitted megatron sections, wraps the
 megatron-core DDP and its optimizer, runs one step, then counts every live tensor storage (gc)
 after the next step's backward and gradient reduction, before the update.
 """
-import gc
 import json
 import os
 import sys
 
 import torch
+from live_tensors import live_tensor_bytes
 
 from toolkit.train import mcore_cpu
 
 mcore_cpu.enable()
 
 
-def live_tensor_bytes() -> int:
-    gc.collect()
-    seen, total = set(), 0
-    for obj in gc.get_objects():
-        try:
-            if not isinstance(obj, torch.Tensor) or obj.device.type == "meta":
-                continue
-            storage = obj.untyped_storage()
-        except Exception:
-            continue
-        if storage.data_ptr() and storage.data_ptr() not in seen:
-            seen.add(storage.data_ptr())
-            total += storage.nbytes()
-    return total
 
 
 def main():
