@@ -118,6 +118,23 @@ class OptimConfig:
 
 
 @dataclass
+class FaultConfig:
+    """Fault handling, and fault injection for tests and drills (injections act on the first
+    attempt only, so that a restarted job runs through)."""
+
+    watchdog_timeout_s: Optional[float] = None  # end the job when a rank makes no progress this long
+    nan_action: str = "stop"  # on a non-finite loss: skip (the update) | stop (keep the last good checkpoint)
+    kill_rank: Optional[int] = None  # this rank dies ...
+    kill_at_step: Optional[int] = None  # ... at the start of this step
+    stall_rank: Optional[int] = None  # this rank hangs ...
+    stall_at_step: Optional[int] = None  # ... at the start of this step ...
+    stall_seconds: float = 3600.0  # ... for this long
+    nan_at_step: Optional[int] = None  # the loss of this step becomes NaN
+    crash_in_save_at_step: Optional[int] = None  # rank 0 dies after writing, before publishing, this save
+    corrupt_checkpoint_at_step: Optional[int] = None  # the checkpoint of this step is damaged after publishing
+
+
+@dataclass
 class TrainConfig:
     global_batch: int = 16  # sequences per optimizer step, over all data-parallel ranks
     micro_batch: int = 1  # sequences per rank per forward/backward
@@ -133,6 +150,7 @@ class TrainConfig:
     init_checkpoint: Optional[str] = None
     # Save the initial weights there before the first step (to start other layouts from them).
     save_init_checkpoint: Optional[str] = None
+    fault: FaultConfig = field(default_factory=FaultConfig)
 
 
 @dataclass
@@ -174,9 +192,13 @@ class DataConfig:
 
 @dataclass
 class CheckpointConfig:
+    dir: Optional[str] = None  # default: <run directory>/checkpoints
     interval_steps: Optional[int] = None  # save every N steps
     interval_minutes: Optional[float] = None  # or every N minutes of wall time
+    # or the planner's rule (Daly's interval, capped by the rework bound) with the measured save time
+    auto_interval: bool = False
     keep_last: int = 3
+    resume: bool = True  # continue from the newest good checkpoint in `dir`
     # For the planner's interval rule: the rework one failure may cost at most, and the
     # measured time of one save (estimated from checkpoint size and bandwidth when null).
     acceptable_rework_minutes: float = 30.0

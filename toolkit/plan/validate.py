@@ -94,6 +94,7 @@ _CHOICES = {
     "optim.decay_style": ("cosine", "linear", "constant"),
     "optim.lr_scaling": ("none", "linear", "sqrt"),
     "train.attention_backend": ("flash", "unfused"),
+    "train.fault.nan_action": ("skip", "stop"),
     "cluster.device": ("cuda", "cpu"),
     "backend.name": ("megatron", "deepspeed"),
     "data.name": ("synthetic", "corpus"),

@@ -1,0 +1,111 @@
+"""Checkpoints that are never trusted half-written, whatever wrote their contents.
+
+A save goes to `<root>/.step_00000042.partial` (every rank writes its shards there), then rank 0
+lists every file with its size and SHA-256 in manifest.json, renames the directory to
+`<root>/step_00000042` (atomic on one filesystem) and points `<root>/latest` at it (written to a
+temporary file and renamed). Only a directory whose manifest matches its files is resumed from;
+a corrupt or unfinished newest checkpoint is reported and the previous good one is used. The
+last `keep_last` published checkpoints are kept.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+from pathlib import Path
+
+MANIFEST = "manifest.json"
+LATEST = "latest"
+
+
+def step_name(step: int) -> str:
+    return f"step_{step:08d}"
+
+
+def partial_dir(root: Path, step: int) -> Path:
+    return root / f".{step_name(step)}.partial"
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _files(directory: Path) -> list[Path]:
+    return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
+
+
+def _write_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "w") as f:
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def prepare(root: Path, step: int) -> Path:
+    """(rank 0) A clean staging directory for the save of `step`."""
+    staging = partial_dir(root, step)
+    shutil.rmtree(staging, ignore_errors=True)
+    staging.mkdir(parents=True)
+    return staging
+
+
+def publish(root: Path, step: int, keep_last: int, extra: dict | None = None) -> Path:
+    """(rank 0, after every rank finished writing) manifest, atomic rename, `latest`, pruning."""
+    staging = partial_dir(root, step)
+    files = {str(p.relative_to(staging)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in _files(staging)}
+    _write_atomic(staging / MANIFEST, json.dumps({"step": step, "files": files, **(extra or {})}, indent=1))
+    final = root / step_name(step)
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(staging, final)
+    _write_atomic(root / LATEST, final.name + "\n")
+    for old in sorted(root.glob("step_*"))[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(old, ignore_errors=True)
+    return final
+
+
+def verify(directory: Path) -> str | None:
+    """None when every file the manifest lists is there with its size and checksum; else why not."""
+    manifest = directory / MANIFEST
+    if not manifest.exists():
+        return "no manifest (the save did not finish)"
+    try:
+        listed = json.loads(manifest.read_text())["files"]
+    except (ValueError, KeyError) as error:
+        return f"unreadable manifest ({error})"
+    for name, expected in listed.items():
+        path = directory / name
+        if not path.exists():
+            return f"{name} is missing"
+        if path.stat().st_size != expected["bytes"]:
+            return f"{name} has {path.stat().st_size} bytes, the manifest says {expected['bytes']}"
+        if _sha256(path) != expected["sha256"]:
+            return f"{name} fails its checksum"
+    return None
+
+
+def find_resumable(root: Path, report=print) -> Path | None:
+    """The newest checkpoint that verifies: `latest` first, then older ones, newest first."""
+    if not root.exists():
+        return None
+    candidates = sorted(root.glob("step_*"), reverse=True)
+    pointer = root / LATEST
+    if pointer.exists() and (root / pointer.read_text().strip()).exists():
+        named = root / pointer.read_text().strip()
+        candidates = [named] + [c for c in candidates if c != named]
+    for candidate in candidates:
+        problem = verify(candidate)
+        if problem is None:
+            return candidate
+        report(f"checkpoint {candidate} is not usable: {problem}; trying an older one")
+    return None
+
+
+def manifest_step(directory: Path) -> int:
+    return int(json.loads((directory / MANIFEST).read_text())["step"])
