@@ -122,6 +122,7 @@ class FaultConfig:
     """Fault handling, and fault injection for tests and drills (injections act on the first
     attempt only, so that a restarted job runs through)."""
 
+    max_restarts: int = 0  # torchrun restarts the ranks this often; each restart resumes from the newest good checkpoint
     watchdog_timeout_s: Optional[float] = None  # end the job when a rank makes no progress this long
     nan_action: str = "stop"  # on a non-finite loss: skip (the update) | stop (keep the last good checkpoint)
     kill_rank: Optional[int] = None  # this rank dies ...

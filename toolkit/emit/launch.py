@@ -54,7 +54,7 @@ def launch_script(cfg: Config, layout: Layout) -> str:
     else:
         body.append("export CUDA_DEVICE_MAX_CONNECTIONS=1  # Megatron: keep TP/SP comm ordered with compute")
     body.append(_entry(cfg))
-    restarts = "--max-restarts ${PARAKIT_MAX_RESTARTS:-0}"
+    restarts = f"--max-restarts ${{PARAKIT_MAX_RESTARTS:-{cfg.train.fault.max_restarts}}}"
     if c.nodes == 1:
         body.append(f'torchrun --standalone --nnodes 1 --nproc-per-node {c.gpus_per_node} {restarts} "${{ENTRY[@]}}"')
     else:

@@ -104,7 +104,8 @@ _AT_LEAST_ONE = (
     "model.head_dim", "model.ffn_hidden_size", "model.vocab_size", "model.seq_length",
     "model.max_position_embeddings", "parallel.tp", "parallel.pp", "parallel.vpp", "parallel.dp",
     "parallel.cp", "parallel.first_stage_layers", "parallel.last_stage_layers", "train.global_batch", "train.micro_batch", "train.grad_accum", "train.steps",
-    "train.tokens", "train.log_interval", "cluster.nodes", "cluster.gpus_per_node",
+    "train.tokens", "train.log_interval", "cluster.nodes", "cluster.gpus_per_node", "checkpoint.interval_steps",
+    "checkpoint.keep_last",
 )
 _NON_NEGATIVE = (
     "model.make_vocab_size_divisible_by", "model.norm_epsilon", "model.init_method_std",
@@ -315,6 +316,10 @@ def _backend(cfg: Config) -> Iterator[Violation]:
         if cfg.precision.dtype == "fp8":
             yield _err("fp8_backend", {"precision.dtype": "fp8", "backend.name": b},
                        "FP8 training runs through Transformer Engine on the megatron backend", "use precision=bf16 or backend=megatron")
+        if cfg.train.fault.nan_action == "skip":
+            yield _err("nan_action_backend", {"train.fault.nan_action": "skip", "backend.name": b},
+                       "DeepSpeed applies the update inside engine.step, before parakit sees the step's loss",
+                       "use train.fault.nan_action=stop (the last good checkpoint is kept), or backend=megatron")
         if r.granularity == "selective":
             yield _err("recompute_backend", {"recompute.granularity": "selective", "backend.name": b},
                        "transformers models checkpoint whole layers only", "use recompute=full or backend=megatron")

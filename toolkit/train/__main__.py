@@ -61,11 +61,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--config-name", default="config")
     args = parser.parse_args(argv)
     quiet_upstream_notices()
+    from toolkit.train.distributed import detach_resource_tracker, end_helper_processes, end_helpers_on_sigterm
+
+    detach_resource_tracker()
+    end_helpers_on_sigterm()
     try:
         run(load_run_config(args.config_dir, args.config_name), args.config_dir)
     except ValidationError as error:
         print(error, file=sys.stderr)
         return 2
+    finally:
+        end_helper_processes()
     return 0
 
 

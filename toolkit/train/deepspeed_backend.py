@@ -9,6 +9,7 @@ is needed: gloo does every collective, with identical results.
 from __future__ import annotations
 
 import importlib
+import math
 import os
 import random
 from pathlib import Path
@@ -21,6 +22,7 @@ from toolkit.config.schema import Config
 from toolkit.emit.deepspeed import deepspeed_config
 from toolkit.plan.layout import Layout
 from toolkit.train.data import micro_batches, train_dataset
+from toolkit.train.faults import first_attempt, inject_step_faults
 from toolkit.train.metrics import Metrics
 
 
@@ -31,11 +33,9 @@ def init_deepspeed():
         importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
     import deepspeed
 
-    if "RANK" not in os.environ:  # a single process outside torchrun
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", str(29400 + os.getpid() % 1000)))
-    if torch.cuda.is_available():
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    from toolkit.train.distributed import init_process_group
+
+    init_process_group()  # deepspeed.comm adopts the existing group
     deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     return deepspeed
 
@@ -113,6 +113,31 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tens
     return torch.sum(losses * mask) / mask.sum()
 
 
+class Checkpointing:
+    """Resume, periodic verified saves, the watchdog and the NaN check around a DeepSpeed engine."""
+
+    def __init__(self, cfg: Config, layout: Layout, run_dir: Path, engine):
+        from toolkit.train import deepspeed_checkpoint
+        from toolkit.train.faults import Watchdog
+
+        self.cfg, self.layout, self.engine, self.io = cfg, layout, engine, deepspeed_checkpoint
+        self.root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+        self.run_dir = run_dir
+        self.start = self.io.load(engine, self.root, layout) if cfg.checkpoint.resume else 0
+        self.watchdog = Watchdog(cfg.train.fault.watchdog_timeout_s)
+
+    def checked_loss(self, step: int, loss: float, metrics) -> float:
+        if not math.isfinite(loss) or (self.cfg.train.fault.nan_at_step == step and first_attempt()):
+            metrics.close(self.run_dir, complete=False)
+            raise FloatingPointError(f"non-finite loss at step {step}; stopping with the last good checkpoint in {self.root} kept")
+        return loss
+
+    def maybe_save(self, step: int) -> None:
+        c = self.cfg.checkpoint
+        if (c.interval_steps and step % c.interval_steps == 0) or (c.interval_steps and step == self.layout.steps):
+            self.io.save(self.engine, self.root, step, self.layout, c.keep_last, self.cfg.train.fault)
+
+
 def _seed(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed)
@@ -133,11 +158,12 @@ def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
     model, dtype = build_hf_model(cfg, ds_json, deepspeed)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                            config=ds_json)
-    dataset = train_dataset(cfg, layout)
-    batches = micro_batches(dataset, layout, dp_rank=rank)
+    run = Checkpointing(cfg, layout, run_dir, engine)
+    batches = micro_batches(train_dataset(cfg, layout), layout, dp_rank=rank, start_step=run.start)
     device = engine.device
-    metrics = Metrics(cfg, layout, run_dir, enabled=rank == 0)
-    for step in range(1, layout.steps + 1):
+    metrics = Metrics(cfg, layout, run_dir, enabled=rank == 0, resume_step=run.start)
+    for step in range(run.start + 1, layout.steps + 1):
+        inject_step_faults(cfg.train.fault, step)
         total = torch.zeros((), dtype=torch.float32)
         for _ in range(layout.grad_accum):
             batch = {k: v.to(device) for k, v in next(batches).items()}
@@ -146,12 +172,13 @@ def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
             engine.backward(loss)
             engine.step()  # DeepSpeed updates only at the accumulation boundary
             total += loss.detach().float().cpu()
+            run.watchdog.beat(step)
         total /= layout.grad_accum
         torch.distributed.all_reduce(total)
+        loss = run.checked_loss(step, total.item() / layout.dp, metrics)
         grad_norm = engine.get_global_grad_norm()
-        skipped = bool(getattr(engine, "skipped_steps", 0)) and engine.was_step_applied() is False
-        metrics.step(step, total.item() / layout.dp, engine.get_lr()[0],
-                     None if grad_norm is None else float(grad_norm), skipped)
+        metrics.step(step, loss, engine.get_lr()[0], None if grad_norm is None else float(grad_norm), False)
+        run.maybe_save(step)
     metrics.close(run_dir)
     losses = [r["loss"] for r in metrics.history]
     torch.distributed.barrier()

@@ -93,18 +93,26 @@ def train_pipeline(cfg: Config, layout: Layout, run_dir: Path, deepspeed, ds_jso
     del model
     engine, _, _, _ = deepspeed.initialize(model=pipe, model_parameters=[p for p in pipe.parameters() if p.requires_grad],
                                            config=ds_json)
+    from toolkit.train.deepspeed_backend import Checkpointing
+    from toolkit.train.faults import inject_step_faults
+
+    run = Checkpointing(cfg, layout, run_dir, engine)
     dp_rank = engine.grid.get_data_parallel_id()
-    batches = _pipe_batches(micro_batches(train_dataset(cfg, layout), layout, dp_rank))
-    metrics = Metrics(cfg, layout, run_dir, enabled=torch.distributed.get_rank() == 0)
-    for step in range(1, layout.steps + 1):
+    batches = _pipe_batches(micro_batches(train_dataset(cfg, layout), layout, dp_rank, start_step=run.start))
+    metrics = Metrics(cfg, layout, run_dir, enabled=torch.distributed.get_rank() == 0, resume_step=run.start)
+    for step in range(run.start + 1, layout.steps + 1):
+        inject_step_faults(cfg.train.fault, step)
         loss = engine.train_batch(data_iter=batches)  # mean over micro-batches, on every stage
+        run.watchdog.beat(step)
         total = loss.detach().float().cpu().reshape(1)
         if engine.is_last_stage():
             torch.distributed.all_reduce(total, group=engine.grid.get_data_parallel_group())
         total = total / layout.dp
         torch.distributed.broadcast(total, src=torch.distributed.get_world_size() - 1)  # the last stage's value
         grad_norm = engine.get_global_grad_norm()
-        metrics.step(step, total.item(), engine.get_lr()[0], None if grad_norm is None else float(grad_norm), False)
+        metrics.step(step, run.checked_loss(step, total.item(), metrics), engine.get_lr()[0],
+                     None if grad_norm is None else float(grad_norm), False)
+        run.maybe_save(step)
     metrics.close(run_dir)
     losses = [r["loss"] for r in metrics.history]
     torch.distributed.barrier()

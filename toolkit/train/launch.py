@@ -6,6 +6,7 @@ parakit never implements a process launcher: several local ranks run under torch
 from __future__ import annotations
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -34,4 +35,18 @@ def train_here(cfg: Config, layout: Layout, run_dir: Path) -> int:
     if cfg.cluster.device == "cpu":
         env["DS_ACCELERATOR"] = "cpu"
     print(f"parakit train: starting {layout.world_size} ranks with torchrun", flush=True)
-    return subprocess.run(torchrun_command(layout, run_dir, layout.world_size), env=env).returncode
+    command = torchrun_command(layout, run_dir, layout.world_size, cfg.train.fault.max_restarts)
+    # A session of its own: when torchrun is done, whatever its ranks left behind (e.g. the
+    # multiprocessing resource trackers of ranks that were killed, which hold our stdout open)
+    # goes with it.
+    proc = subprocess.Popen(command, env=env, start_new_session=True)
+    try:
+        return proc.wait()
+    except KeyboardInterrupt:
+        os.killpg(proc.pid, signal.SIGTERM)
+        return proc.wait()
+    finally:
+        try:
+            os.killpg(proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass

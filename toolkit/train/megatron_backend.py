@@ -5,8 +5,12 @@ Runs on NVIDIA GPUs with NCCL, and on CPU with gloo through toolkit.train.mcore_
 """
 from __future__ import annotations
 
+import json
+import math
 import os
 import random
+import sys
+import time
 from functools import partial
 from pathlib import Path
 
@@ -16,19 +20,19 @@ import torch
 from toolkit.config.schema import Config
 from toolkit.emit.megatron import build_megatron_configs, megatron_sections
 from toolkit.plan.layout import Layout
+from toolkit.plan.checkpoint import checkpoint_plan
+from toolkit.train import checkpoint as ckpt
 from toolkit.train import mcore_cpu
 from toolkit.train.data import micro_batches, train_dataset
+from toolkit.train.distributed import init_process_group
+from toolkit.train.faults import _exit as faults_exit
+from toolkit.train.faults import Watchdog, corrupt, first_attempt, inject_step_faults
 from toolkit.train.metrics import Metrics
 
+_OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}  # loadable at any dp/tp/pp
 
 def _init_distributed(layout: Layout) -> None:
-    if not torch.distributed.is_initialized():
-        if "RANK" not in os.environ:  # a single process outside torchrun
-            os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                              MASTER_PORT=os.environ.get("MASTER_PORT", str(29400 + os.getpid() % 1000)))
-        if torch.cuda.is_available():
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-        torch.distributed.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    init_process_group()
     world = torch.distributed.get_world_size()
     if world != layout.world_size:
         raise RuntimeError(f"launched with {world} processes but the layout needs {layout.world_size} "
@@ -77,6 +81,121 @@ def _save_weights(chunks: list, path: str) -> None:
     dist_checkpointing.save({f"chunk{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}, path)
 
 
+def _rng_state() -> dict:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "tracker": get_cuda_rng_tracker().get_states()}
+
+
+def _set_rng_state(state: dict) -> None:
+    from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    get_cuda_rng_tracker().set_states(state["tracker"])
+
+
+def _sharded_state(chunks, optimizer, is_loading: bool) -> dict:
+    model_state = {f"chunk{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
+    return {**model_state, "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=_OPTIMIZER_FORMAT)}
+
+
+def _seed_optimizer_states(optimizer) -> None:
+    """torch Adam (no apex/TE) creates its states at the first step, but the load template needs
+    them: give a fresh optimizer zero states of the right shapes."""
+    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
+        for group in inner.optimizer.param_groups:
+            for param in group["params"]:
+                state = inner.optimizer.state[param]
+                if not state:
+                    state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param))
+
+
+def save_checkpoint(root: Path, step: int, chunks, optimizer, scheduler, layout: Layout, keep_last: int, fault) -> Path | None:
+    from megatron.core import dist_checkpointing
+
+    rank = torch.distributed.get_rank()
+    started = time.perf_counter()
+    if rank == 0:
+        staging = ckpt.prepare(root, step)
+        (staging / "model_optim").mkdir()
+        (staging / "rng").mkdir()
+    torch.distributed.barrier()
+    staging = ckpt.partial_dir(root, step)
+    dist_checkpointing.save(_sharded_state(chunks, optimizer, is_loading=False), str(staging / "model_optim"))
+    torch.save(_rng_state(), staging / "rng" / f"rank_{rank:05d}.pt")
+    torch.distributed.barrier()
+    published = None
+    if rank == 0:
+        if fault.crash_in_save_at_step == step and first_attempt():
+            print(f"fault injection: rank 0 dies while saving step {step}", file=sys.stderr, flush=True)
+            faults_exit(1)
+        (staging / "trainer_state.json").write_text(json.dumps({
+            "step": step, "consumed_samples": step * layout.global_batch, "scheduler": scheduler.state_dict(),
+            "layout": {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "dp": layout.dp, "world": layout.world_size}}))
+        published = ckpt.publish(root, step, keep_last, {"save_seconds": time.perf_counter() - started})
+        print(f"saved checkpoint {published} ({time.perf_counter() - started:.1f} s)", flush=True)
+        if fault.corrupt_checkpoint_at_step == step and first_attempt():
+            corrupt(published)
+    torch.distributed.barrier()
+    return published
+
+
+def load_checkpoint(root: Path, chunks, optimizer, scheduler, layout: Layout) -> int:
+    """Resume from the newest good checkpoint under `root` (any layout); returns its step, 0 if none."""
+    from megatron.core import dist_checkpointing
+
+    found = [ckpt.find_resumable(root, report=lambda m: print(m, file=sys.stderr, flush=True))
+             if torch.distributed.get_rank() == 0 else None]
+    torch.distributed.broadcast_object_list(found, src=0)
+    if found[0] is None:
+        return 0
+    directory = Path(found[0])
+    _seed_optimizer_states(optimizer)
+    loaded = dist_checkpointing.load(_sharded_state(chunks, optimizer, is_loading=True), str(directory / "model_optim"))
+    for i, chunk in enumerate(chunks):
+        chunk.load_state_dict(loaded[f"chunk{i}"], strict=True)
+    optimizer.load_state_dict(loaded["optimizer"])
+    state = json.loads((directory / "trainer_state.json").read_text())
+    scheduler.load_state_dict(state["scheduler"])
+    rng = directory / "rng" / f"rank_{torch.distributed.get_rank():05d}.pt"
+    if state["layout"]["world"] == layout.world_size and rng.exists():  # same ranks: same random streams
+        _set_rng_state(torch.load(rng, weights_only=False))
+    if torch.distributed.get_rank() == 0:
+        print(f"resumed from {directory} at step {state['step']}", flush=True)
+    return state["step"]
+
+
+def _save_due(cfg: Config, step: int, last_save: float, interval_steps: int | None, last_step: int) -> bool:
+    if step == last_step:
+        return True
+    if interval_steps and step % interval_steps == 0:
+        return True
+    minutes = cfg.checkpoint.interval_minutes
+    decision = torch.tensor([bool(minutes) and (time.monotonic() - last_save) / 60 >= minutes], dtype=torch.uint8)
+    torch.distributed.broadcast(decision, src=0)  # rank 0's clock decides for everybody
+    return bool(decision.item())
+
+
+def _auto_interval(cfg: Config, layout: Layout, published: Path | None, metrics: Metrics) -> int:
+    """The planner's interval (Daly, capped by the rework bound) from the measured save time."""
+    seconds = [json.loads((published / ckpt.MANIFEST).read_text())["save_seconds"] if published else 0.0]
+    torch.distributed.broadcast_object_list(seconds, src=0)
+    plan_cfg = cfg.__class__(**{**cfg.__dict__, "checkpoint": cfg.checkpoint.__class__(
+        **{**cfg.checkpoint.__dict__, "save_seconds": seconds[0]})})
+    step_seconds = metrics.history[-1]["step_time_s"] if metrics.history else None
+    plan = checkpoint_plan(plan_cfg, layout, step_seconds)
+    if torch.distributed.get_rank() == 0:
+        print(f"checkpoint interval: every {plan.recommended_steps} steps ({plan.recommended_minutes:.1f} min; save "
+              f"{plan.save_seconds:.1f} s, job MTBF {plan.job_mtbf_hours:.1f} h)", flush=True)
+    return plan.recommended_steps or 1
+
+
 def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
     mcore_cpu.enable()
     from megatron.core import parallel_state
@@ -111,30 +230,58 @@ def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
         transformer_config.grad_scale_func = optimizer.scale_loss
     scheduler = OptimizerParamScheduler(optimizer, **sections["scheduler"])
 
+    checkpoints = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    saving = bool(cfg.checkpoint.interval_steps or cfg.checkpoint.interval_minutes or cfg.checkpoint.auto_interval)
+    start = load_checkpoint(checkpoints, chunks, optimizer, scheduler, layout) if cfg.checkpoint.resume else 0
+
     dataset = train_dataset(cfg, layout)
     dp_rank = parallel_state.get_data_parallel_rank()
     needs_data = parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage()
-    iterators = [micro_batches(dataset, layout, dp_rank) if needs_data else None for _ in model]
+    # The sampler is indexed by step: a resumed run reads exactly the samples it would have read.
+    iterators = [micro_batches(dataset, layout, dp_rank, start_step=start) if needs_data else None for _ in model]
     last_stage_reporter = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
-    metrics = Metrics(cfg, layout, run_dir, enabled=torch.distributed.get_rank() == 0)
+    metrics = Metrics(cfg, layout, run_dir, enabled=torch.distributed.get_rank() == 0, resume_step=start)
+    watchdog = Watchdog(cfg.train.fault.watchdog_timeout_s)
+    fault = cfg.train.fault
+    interval_steps, last_save = cfg.checkpoint.interval_steps, time.monotonic()
     forward_backward = get_forward_backward_func()
-    for step in range(1, layout.steps + 1):
+
+    def forward_step(data_iterator, model_chunk):
+        watchdog.beat(step)
+        return _forward_step(data_iterator, model_chunk)
+
+    for step in range(start + 1, layout.steps + 1):
+        inject_step_faults(fault, step)
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
         outputs = forward_backward(
-            forward_step_func=_forward_step, data_iterator=iterators if len(model) > 1 else iterators[0],
+            forward_step_func=forward_step, data_iterator=iterators if len(model) > 1 else iterators[0],
             model=model if len(model) > 1 else model[0], num_microbatches=layout.grad_accum,
             seq_length=layout.seq_length, micro_batch_size=layout.micro_batch, forward_only=False)
-        updated, grad_norm, _ = optimizer.step()
-        if updated:
-            scheduler.step(increment=1)
         # Mean loss over micro-batches and data-parallel replicas, gathered on every rank.
         local = torch.stack([o["lm loss"] for o in outputs]).mean() if last_stage_reporter and outputs else torch.zeros(())
         total = local.reshape(1).float().clone()
+        if fault.nan_at_step == step and first_attempt():
+            total.fill_(float("nan"))
         torch.distributed.all_reduce(total)
         loss = total.item() / (layout.dp * layout.cp)
+        if not math.isfinite(loss):
+            if fault.nan_action == "stop":
+                metrics.close(run_dir, complete=False)
+                raise FloatingPointError(f"non-finite loss {loss} at step {step}; stopping with the last good checkpoint "
+                                         f"in {checkpoints} kept (train.fault.nan_action=skip skips such steps)")
+            metrics.step(step, loss, optimizer.param_groups[0]["lr"], None, True)  # skip: no update
+            continue
+        updated, grad_norm, _ = optimizer.step()
+        if updated:
+            scheduler.step(increment=1)
         metrics.step(step, loss, optimizer.param_groups[0]["lr"], None if grad_norm is None else float(grad_norm), not updated)
+        if saving and _save_due(cfg, step, last_save, interval_steps, layout.steps):
+            published = save_checkpoint(checkpoints, step, chunks, optimizer, scheduler, layout, cfg.checkpoint.keep_last, fault)
+            last_save = time.monotonic()
+            if cfg.checkpoint.auto_interval and interval_steps is None:
+                interval_steps = _auto_interval(cfg, layout, published, metrics)
     metrics.close(run_dir)
     losses = [r["loss"] for r in metrics.history]
     parallel_state.destroy_model_parallel()

@@ -30,7 +30,7 @@ def peak_memory_gib() -> float:
 
 
 class Metrics:
-    def __init__(self, cfg: Config, layout: Layout, run_dir: Path, enabled: bool):
+    def __init__(self, cfg: Config, layout: Layout, run_dir: Path, enabled: bool, resume_step: int = 0):
         self.cfg, self.layout, self.enabled = cfg, layout, enabled
         flops = step_flops(cfg.model, layout.seq_length, layout.global_batch, cfg.recompute.granularity, layout.padded_vocab_size)
         self.model_flops_per_step = flops.model
@@ -42,7 +42,14 @@ class Metrics:
         self._jsonl = self._tb = self._bar = None
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
-            self._jsonl = open(run_dir / "metrics.jsonl", "a")
+            log = run_dir / "metrics.jsonl"
+            if log.exists():  # a resumed run: keep the steps up to the checkpoint, redo the rest
+                kept = [r for r in map(json.loads, log.read_text().splitlines()) if r["step"] <= resume_step]
+                tmp = run_dir / ".metrics.jsonl.tmp"
+                tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
+                os.replace(tmp, log)
+                self.history = kept
+            self._jsonl = open(log, "a")
             from torch.utils.tensorboard import SummaryWriter
 
             self._tb = SummaryWriter(str(run_dir / "tensorboard"))
@@ -86,13 +93,16 @@ class Metrics:
             (self._bar.write if self._bar is not None else print)(line)
             sys.stdout.flush()
 
-    def close(self, run_dir: Path) -> None:
+    def close(self, run_dir: Path, complete: bool = True) -> None:
+        """Flush everything; result.json only for a run that completed (it marks success)."""
         if not self.enabled:
             return
         if self._bar is not None:
             self._bar.close()
         self._jsonl.close()
         self._tb.close()
+        if not complete:
+            return
         summary = {"steps": len(self.history), "losses": [r["loss"] for r in self.history],
                    "final_loss": self.history[-1]["loss"] if self.history else None,
                    "mean_tokens_per_s": sum(r["tokens_per_s"] for r in self.history[1:]) / max(1, len(self.history) - 1)}

@@ -1,0 +1,114 @@
+"""Long runs that finish (megatron backend, CPU): exact resume, resume into another layout,
+restart after a killed rank, corrupt and half-written checkpoints, a stalled rank, NaN losses."""
+import json
+import os
+import subprocess
+import sys
+import time
+
+import pytest
+
+from toolkit.train import checkpoint as ckpt
+
+pytestmark = pytest.mark.slow
+
+COMMON = ["model=tiny", "model.vocab_size=50688", "data=synthetic", "precision=fp32", "zero=1", "train.steps=6",
+          "train.global_batch=8", "train.micro_batch=1", "optim.lr=1e-3", "optim.warmup_steps=1", "checkpoint.interval_steps=2",
+          "train.fault.watchdog_timeout_s=120"]  # a rank that hangs ends the job instead of the test
+TP2_PP2_VPP2 = ["cluster.gpus_per_node=4", "parallel.tp=2", "parallel.pp=2", "parallel.vpp=2"]
+PP2 = ["cluster.gpus_per_node=2", "parallel.pp=2"]
+
+
+def run(tmp_path, name, *overrides, timeout=600):
+    run_dir = tmp_path / name
+    started = time.monotonic()
+    env = {**os.environ, "PARAKIT_DIST_TIMEOUT_S": "180"}
+    result = subprocess.run([sys.executable, "-m", "toolkit.cli", "train", *COMMON, *overrides, f"hydra.run.dir={run_dir}"],
+                            cwd=tmp_path, capture_output=True, text=True, timeout=timeout, env=env)
+    result.seconds = time.monotonic() - started
+    result.run_dir = run_dir
+    return result
+
+
+def losses(result):
+    assert (result.run_dir / "result.json").exists(), result.stdout[-2000:] + result.stderr[-4000:]
+    return json.loads((result.run_dir / "result.json").read_text())["losses"]
+
+
+@pytest.fixture(autouse=True)
+def no_processes_left_behind():
+    yield
+    time.sleep(1)
+    left = subprocess.run(["pgrep", "-f", "toolkit.train --config-dir|multiprocessing.spawn|resource_tracker"],
+                          capture_output=True, text=True).stdout.split()
+    assert not left, f"training processes left behind: {left}"
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("uninterrupted")
+    return {"tp2_pp2_vpp2": losses(run(tmp, "a", *TP2_PP2_VPP2)), "pp2": losses(run(tmp, "b", *PP2))}
+
+
+@pytest.mark.parametrize("layout", ["tp2_pp2_vpp2", "pp2"])
+def test_stopped_and_resumed_run_equals_the_uninterrupted_run(tmp_path, uninterrupted, layout):
+    overrides = TP2_PP2_VPP2 if layout == "tp2_pp2_vpp2" else PP2
+    stopped = run(tmp_path, "run", *overrides, "train.fault.kill_rank=0", "train.fault.kill_at_step=5")
+    assert stopped.returncode != 0 and not (stopped.run_dir / "result.json").exists()
+    resumed = run(tmp_path, "run", *overrides)
+    assert "resumed from" in resumed.stdout and "step_00000004" in resumed.stdout
+    assert losses(resumed) == uninterrupted[layout]  # bit for bit
+
+
+def test_resume_into_another_layout(tmp_path, uninterrupted):
+    first = run(tmp_path, "tp2_pp2_vpp2", *TP2_PP2_VPP2, "train.fault.kill_rank=3", "train.fault.kill_at_step=5")
+    assert first.returncode != 0
+    moved = run(tmp_path, "pp2_dp2", "cluster.gpus_per_node=4", "parallel.pp=2",
+                f"checkpoint.dir={first.run_dir / 'checkpoints'}")
+    assert "resumed from" in moved.stdout
+    assert losses(moved)[4:] == pytest.approx(uninterrupted["tp2_pp2_vpp2"][4:], abs=1e-6)
+
+
+def test_killed_rank_restarts_and_ends_with_the_uninterrupted_loss(tmp_path, uninterrupted):
+    result = run(tmp_path, "restart", *PP2, "train.fault.kill_rank=1", "train.fault.kill_at_step=5", "train.fault.max_restarts=1")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert "killing rank 1" in result.stderr and "resumed from" in result.stdout
+    assert losses(result)[-1] == uninterrupted["pp2"][-1]
+
+
+def test_corrupt_newest_checkpoint_is_detected_and_the_previous_one_used(tmp_path, uninterrupted):
+    first = run(tmp_path, "run", *PP2, "train.fault.corrupt_checkpoint_at_step=4", "train.fault.kill_rank=0",
+                "train.fault.kill_at_step=5")
+    assert first.returncode != 0
+    resumed = run(tmp_path, "run", *PP2)
+    assert "step_00000004 is not usable" in resumed.stderr and "fails its checksum" in resumed.stderr
+    assert "step_00000002" in resumed.stdout
+    assert losses(resumed) == uninterrupted["pp2"]
+
+
+def test_crash_during_save_leaves_no_checkpoint_marked_good(tmp_path):
+    result = run(tmp_path, "run", *PP2, "train.fault.crash_in_save_at_step=4")
+    assert result.returncode != 0
+    root = result.run_dir / "checkpoints"
+    assert (root / ckpt.LATEST).read_text().strip() == "step_00000002"
+    assert (root / ".step_00000004.partial").exists() and not (root / "step_00000004").exists()
+    assert ckpt.find_resumable(root) == root / "step_00000002"
+
+
+def test_stalled_rank_is_detected_and_named_within_the_timeout(tmp_path):
+    result = run(tmp_path, "stall", *PP2, "train.fault.stall_rank=1", "train.fault.stall_at_step=3",
+                 "train.fault.stall_seconds=600", "train.fault.watchdog_timeout_s=15", timeout=300)
+    assert result.returncode != 0
+    assert "watchdog" in result.stderr and "rank(s) [1] stuck at step 3" in result.stderr
+    assert result.seconds < 120
+
+
+def test_nan_loss_stops_with_the_last_good_checkpoint_or_skips_the_step(tmp_path):
+    stopped = run(tmp_path, "stop", *PP2, "train.fault.nan_at_step=3")
+    assert stopped.returncode != 0 and "non-finite loss nan at step 3" in stopped.stderr
+    assert not (stopped.run_dir / "result.json").exists()
+    assert ckpt.find_resumable(stopped.run_dir / "checkpoints").name == "step_00000002"
+    skipped = run(tmp_path, "skip", *PP2, "train.fault.nan_at_step=3", "train.fault.nan_action=skip")
+    records = [json.loads(line) for line in (skipped.run_dir / "metrics.jsonl").read_text().splitlines()]
+    assert [r["skipped"] for r in records] == [False, False, True, False, False, False]
+    assert all(l == l for l in losses(skipped)[3:])  # finite again after the skipped step

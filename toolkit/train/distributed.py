@@ -1,0 +1,76 @@
+"""The default process group, for both backends."""
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+
+import torch
+
+# A collective that waits longer than this fails instead of hanging (Megatron-LM's default is
+# also 10 minutes); PARAKIT_DIST_TIMEOUT_S overrides it.
+TIMEOUT = timedelta(seconds=float(os.environ.get("PARAKIT_DIST_TIMEOUT_S", 600)))
+
+
+def init_process_group() -> None:
+    """NCCL on GPUs, gloo on CPU. After a torchrun restart, gloo cannot form its mesh through the
+    agent's store again (peers are refused): each attempt then meets on a store of its own."""
+    if torch.distributed.is_initialized():
+        return
+    if "RANK" not in os.environ:  # a single process outside torchrun
+        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
+                          MASTER_PORT=os.environ.get("MASTER_PORT", str(29400 + os.getpid() % 1000)))
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+    if attempt == 0:
+        torch.distributed.init_process_group(backend, timeout=TIMEOUT)
+        return
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 100 + attempt, world,
+                                       is_master=rank == 0)
+    torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=TIMEOUT)
+
+
+def detach_resource_tracker() -> None:
+    """Start multiprocessing's resource tracker now, with /dev/null as its stdout and stderr.
+
+    Libraries start it lazily from a rank; it inherits the rank's stdout/stderr and outlives a
+    killed rank, holding the launcher's pipes open (a caller waiting for end-of-output hangs)."""
+    from multiprocessing import resource_tracker
+
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    saved = os.dup(1), os.dup(2)
+    try:
+        os.dup2(devnull, 1)
+        os.dup2(devnull, 2)
+        resource_tracker.ensure_running()
+    finally:
+        os.dup2(saved[0], 1)
+        os.dup2(saved[1], 2)
+        for fd in (devnull, *saved):
+            os.close(fd)
+
+
+def end_helper_processes() -> None:
+    """Kill the processes this rank started (multiprocessing's resource tracker, which ignores
+    SIGTERM, and the writer processes dist_checkpointing spawns), so that none is left behind
+    when the rank ends, normally or not."""
+    import psutil
+
+    for child in psutil.Process().children(recursive=True):
+        try:
+            child.kill()
+        except psutil.NoSuchProcess:
+            pass
+
+
+def end_helpers_on_sigterm() -> None:
+    """torchrun stops the ranks with SIGTERM when one fails: take the helpers along."""
+    import signal
+
+    def handler(signum, frame):
+        end_helper_processes()
+        os._exit(128 + signum)
+
+    signal.signal(signal.SIGTERM, handler)
