@@ -66,7 +66,8 @@ def test_resume_into_another_layout(tmp_path, uninterrupted):
     moved = run(tmp_path, "pp2_dp2", "cluster.gpus_per_node=4", "parallel.pp=2",
                 f"checkpoint.dir={first.run_dir / 'checkpoints'}")
     assert "resumed from" in moved.stdout
-    assert losses(moved)[4:] == pytest.approx(uninterrupted["tp2_pp2_vpp2"][4:], abs=1e-6)
+    # a new run directory: its curve starts after the checkpoint (steps 5 and 6)
+    assert losses(moved) == pytest.approx(uninterrupted["tp2_pp2_vpp2"][4:], abs=1e-6)
 
 
 def test_killed_rank_restarts_and_ends_with_the_uninterrupted_loss(tmp_path, uninterrupted):
