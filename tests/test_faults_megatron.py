@@ -36,11 +36,11 @@ def losses(result):
 
 
 @pytest.fixture(autouse=True)
-def no_processes_left_behind():
+def no_processes_left_behind(tmp_path):
+    """No rank of this test's runs (their command lines name its directory) outlives the test."""
     yield
     time.sleep(1)
-    left = subprocess.run(["pgrep", "-f", "toolkit.train --config-dir|multiprocessing.spawn|resource_tracker"],
-                          capture_output=True, text=True).stdout.split()
+    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
     assert not left, f"training processes left behind: {left}"
 
 

@@ -12,7 +12,6 @@ from toolkit.plan.checkpoint import checkpoint_plan, daly_interval, young_interv
 from toolkit.plan.flops import step_flops
 from toolkit.plan.layout import resolve
 from toolkit.plan.memory import inflight_chunks, layer_activation_bytes, model_state_bytes
-from toolkit.plan.params import layer_params
 from toolkit.plan.search import decision_path, search
 from toolkit.plan.validate import validate
 

@@ -7,7 +7,6 @@ megatron-core DDP and its optimizer, runs one step, then counts every live tenso
 after the next step's backward and gradient reduction, before the update.
 """
 import json
-import os
 import sys
 
 import torch

@@ -109,3 +109,59 @@ def find_resumable(root: Path, report=print) -> Path | None:
 
 def manifest_step(directory: Path) -> int:
     return int(json.loads((directory / MANIFEST).read_text())["step"])
+
+
+def save_collectively(root: Path, step: int, keep_last: int, fault, write, trainer_state: dict, rng_state: dict) -> Path | None:
+    """Every rank: `write(staging)` its shards and its random state; rank 0 then publishes.
+    Fault injection: rank 0 dies before publishing, or damages the published checkpoint."""
+    import sys
+    import time
+
+    import torch
+
+    from toolkit.train.faults import _exit, corrupt, first_attempt
+
+    rank = torch.distributed.get_rank()
+    started = time.perf_counter()
+    if rank == 0:
+        (prepare(root, step) / "rng").mkdir()
+    torch.distributed.barrier()
+    staging = partial_dir(root, step)
+    write(staging)
+    torch.save(rng_state, staging / "rng" / f"rank_{rank:05d}.pt")
+    torch.distributed.barrier()
+    published = None
+    if rank == 0:
+        if fault.crash_in_save_at_step == step and first_attempt():
+            print(f"fault injection: rank 0 dies while saving step {step}", file=sys.stderr, flush=True)
+            _exit(1)
+        (staging / "trainer_state.json").write_text(json.dumps(trainer_state))
+        published = publish(root, step, keep_last, {"save_seconds": time.perf_counter() - started})
+        print(f"saved checkpoint {published} ({time.perf_counter() - started:.1f} s)", flush=True)
+        if fault.corrupt_checkpoint_at_step == step and first_attempt():
+            corrupt(published)
+    torch.distributed.barrier()
+    return published
+
+
+def find_collectively(root: Path) -> Path | None:
+    """Rank 0 looks for the newest good checkpoint and tells every rank."""
+    import sys
+
+    import torch
+
+    found = [find_resumable(root, report=lambda m: print(m, file=sys.stderr, flush=True))
+             if torch.distributed.get_rank() == 0 else None]
+    torch.distributed.broadcast_object_list(found, src=0)
+    return None if found[0] is None else Path(found[0])
+
+
+def saved_rng_state(directory: Path, world_size: int):
+    """This rank's saved random state, when the checkpoint was written by as many ranks."""
+    import torch
+
+    state = json.loads((directory / "trainer_state.json").read_text())
+    path = directory / "rng" / f"rank_{torch.distributed.get_rank():05d}.pt"
+    if state["layout"]["world"] != world_size or not path.exists():
+        return None  # another layout: its random streams do not map onto these ranks
+    return torch.load(path, weights_only=False)

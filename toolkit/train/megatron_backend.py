@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import random
-import sys
 import time
 from functools import partial
 from pathlib import Path
@@ -24,9 +22,9 @@ from toolkit.plan.checkpoint import checkpoint_plan
 from toolkit.train import checkpoint as ckpt
 from toolkit.train import mcore_cpu
 from toolkit.train.data import micro_batches, train_dataset
+from toolkit.train.deepspeed_checkpoint import host_rng_state, set_host_rng_state
 from toolkit.train.distributed import init_process_group
-from toolkit.train.faults import _exit as faults_exit
-from toolkit.train.faults import Watchdog, corrupt, first_attempt, inject_step_faults
+from toolkit.train.faults import Watchdog, first_attempt, inject_step_faults
 from toolkit.train.metrics import Metrics
 
 _OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}  # loadable at any dp/tp/pp
@@ -84,19 +82,13 @@ def _save_weights(chunks: list, path: str) -> None:
 def _rng_state() -> dict:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-            "tracker": get_cuda_rng_tracker().get_states()}
+    return {**host_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
 
 
 def _set_rng_state(state: dict) -> None:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+    set_host_rng_state(state)
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
@@ -119,43 +111,22 @@ def _seed_optimizer_states(optimizer) -> None:
 def save_checkpoint(root: Path, step: int, chunks, optimizer, scheduler, layout: Layout, keep_last: int, fault) -> Path | None:
     from megatron.core import dist_checkpointing
 
-    rank = torch.distributed.get_rank()
-    started = time.perf_counter()
-    if rank == 0:
-        staging = ckpt.prepare(root, step)
-        (staging / "model_optim").mkdir()
-        (staging / "rng").mkdir()
-    torch.distributed.barrier()
-    staging = ckpt.partial_dir(root, step)
-    dist_checkpointing.save(_sharded_state(chunks, optimizer, is_loading=False), str(staging / "model_optim"))
-    torch.save(_rng_state(), staging / "rng" / f"rank_{rank:05d}.pt")
-    torch.distributed.barrier()
-    published = None
-    if rank == 0:
-        if fault.crash_in_save_at_step == step and first_attempt():
-            print(f"fault injection: rank 0 dies while saving step {step}", file=sys.stderr, flush=True)
-            faults_exit(1)
-        (staging / "trainer_state.json").write_text(json.dumps({
-            "step": step, "consumed_samples": step * layout.global_batch, "scheduler": scheduler.state_dict(),
-            "layout": {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "dp": layout.dp, "world": layout.world_size}}))
-        published = ckpt.publish(root, step, keep_last, {"save_seconds": time.perf_counter() - started})
-        print(f"saved checkpoint {published} ({time.perf_counter() - started:.1f} s)", flush=True)
-        if fault.corrupt_checkpoint_at_step == step and first_attempt():
-            corrupt(published)
-    torch.distributed.barrier()
-    return published
+    def write(staging: Path) -> None:
+        (staging / "model_optim").mkdir(exist_ok=True)
+        dist_checkpointing.save(_sharded_state(chunks, optimizer, is_loading=False), str(staging / "model_optim"))
+
+    state = {"step": step, "consumed_samples": step * layout.global_batch, "scheduler": scheduler.state_dict(),
+             "layout": {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "dp": layout.dp, "world": layout.world_size}}
+    return ckpt.save_collectively(root, step, keep_last, fault, write, state, _rng_state())
 
 
 def load_checkpoint(root: Path, chunks, optimizer, scheduler, layout: Layout) -> int:
     """Resume from the newest good checkpoint under `root` (any layout); returns its step, 0 if none."""
     from megatron.core import dist_checkpointing
 
-    found = [ckpt.find_resumable(root, report=lambda m: print(m, file=sys.stderr, flush=True))
-             if torch.distributed.get_rank() == 0 else None]
-    torch.distributed.broadcast_object_list(found, src=0)
-    if found[0] is None:
+    directory = ckpt.find_collectively(root)
+    if directory is None:
         return 0
-    directory = Path(found[0])
     _seed_optimizer_states(optimizer)
     loaded = dist_checkpointing.load(_sharded_state(chunks, optimizer, is_loading=True), str(directory / "model_optim"))
     for i, chunk in enumerate(chunks):
@@ -163,9 +134,9 @@ def load_checkpoint(root: Path, chunks, optimizer, scheduler, layout: Layout) ->
     optimizer.load_state_dict(loaded["optimizer"])
     state = json.loads((directory / "trainer_state.json").read_text())
     scheduler.load_state_dict(state["scheduler"])
-    rng = directory / "rng" / f"rank_{torch.distributed.get_rank():05d}.pt"
-    if state["layout"]["world"] == layout.world_size and rng.exists():  # same ranks: same random streams
-        _set_rng_state(torch.load(rng, weights_only=False))
+    rng = ckpt.saved_rng_state(directory, layout.world_size)
+    if rng is not None:
+        _set_rng_state(rng)
     if torch.distributed.get_rank() == 0:
         print(f"resumed from {directory} at step {state['step']}", flush=True)
     return state["step"]

@@ -7,7 +7,6 @@ memory-efficient kernel instead: no s^2 buffer, fused kernels. Same math (causal
 """
 from __future__ import annotations
 
-import torch
 import torch.nn.functional as F
 
 from toolkit.train import mcore_cpu
