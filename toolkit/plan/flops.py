@@ -50,7 +50,3 @@ def step_flops(m: ModelConfig, seq_length: int, global_batch: int, recompute: st
     extra = {"none": 0.0, "selective": core, "full": gemm + core}[recompute]
     return StepFlops(model=model, hardware=model + extra * tokens, tokens=tokens)
 
-
-def mfu(model_flops_per_s_per_gpu: float, peak_flops: float) -> float:
-    """Model FLOPs utilisation (Chowdhery et al. 2022, "PaLM", Appendix B)."""
-    return model_flops_per_s_per_gpu / peak_flops

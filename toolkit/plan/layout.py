@@ -39,10 +39,6 @@ class Layout:
         """Micro-batches each pipeline processes per step (Megatron's num_microbatches)."""
         return self.grad_accum
 
-    @property
-    def model_parallel_size(self) -> int:
-        return self.tp * self.pp * self.cp
-
 
 def stage_layer_counts(num_layers: int, pp: int, vpp: int = 1, first: int | None = None,
                        last: int | None = None) -> tuple[int, ...] | None:

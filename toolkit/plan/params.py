@@ -106,7 +106,3 @@ def hf_model_params(m: ModelConfig) -> int:
     """The transformers model of this config: unpadded vocabulary, one copy of tied weights."""
     return model_params(m, m.vocab_size)
 
-
-def non_embedding_params(m: ModelConfig) -> int:
-    """Parameters doing per-token GEMM work besides the output layer (Kaplan et al. 2020's N)."""
-    return m.num_layers * layer_params(m)

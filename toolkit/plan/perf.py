@@ -68,7 +68,8 @@ def peak_flops(cfg: Config) -> float:
 
 
 def mfu_peak_flops(cfg: Config) -> float:
-    """MFU's denominator: the bf16 peak for fp8 runs (as NeMo and Megatron-LM report), else the dtype's."""
+    """MFU's denominator (model FLOPs utilisation, Chowdhery et al. 2022, "PaLM", Appendix B): the
+    bf16 peak for fp8 runs (as NeMo and Megatron-LM report), else the dtype's."""
     return cfg.cluster.peak_tflops_bf16 * 1e12 if cfg.precision.dtype == "fp8" else peak_flops(cfg)
 
 

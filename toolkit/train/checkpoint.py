@@ -107,8 +107,29 @@ def find_resumable(root: Path, report=print) -> Path | None:
     return None
 
 
-def manifest_step(directory: Path) -> int:
-    return int(json.loads((directory / MANIFEST).read_text())["step"])
+
+def host_rng_state() -> dict:
+    """This process's random generators: python, numpy, torch CPU and CUDA."""
+    import random
+
+    import numpy as np
+    import torch
+
+    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+
+
+def set_host_rng_state(state: dict) -> None:
+    import random
+
+    import numpy as np
+    import torch
+
+    random.setstate(state["python"])
+    np.random.set_state(state["numpy"])
+    torch.set_rng_state(state["torch"])
+    if state["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
 
 
 def save_collectively(root: Path, step: int, keep_last: int, fault, write, trainer_state: dict, rng_state: dict) -> Path | None:

@@ -22,6 +22,7 @@ from toolkit.config.schema import Config
 from toolkit.emit.deepspeed import deepspeed_config
 from toolkit.plan.layout import Layout
 from toolkit.train.data import micro_batches, train_dataset
+from toolkit.train.distributed import end_process_group
 from toolkit.train.faults import first_attempt, inject_step_faults
 from toolkit.train.metrics import Metrics
 
@@ -40,14 +41,17 @@ def init_deepspeed():
     return deepspeed
 
 
+_ZERO3_CONFIG = None
+
+
 def build_hf_model(cfg: Config, ds_json: dict, deepspeed):
-    """The transformers model: random init from conf/model, or the weights of model.hf_path.
-    ZeRO-3 builds it under zero.Init so that no rank ever holds all parameters."""
+    """The transformers model (fp32; DeepSpeed casts it): random init from conf/model, or the
+    weights of model.hf_path. ZeRO-3 builds it under zero.Init so that no rank holds all parameters."""
+    global _ZERO3_CONFIG
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
     from toolkit.interop.hf import check_hf_matches, hf_config
 
-    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision.dtype, torch.float32)
     config = hf_config(cfg.model)
     if cfg.model.hf_path:
         check_hf_matches(cfg.model, cfg.model.hf_path)
@@ -58,7 +62,7 @@ def build_hf_model(cfg: Config, ds_json: dict, deepspeed):
         # parameters while initialising or loading them (so the weights equal the unsharded ones).
         from transformers.integrations import HfDeepSpeedConfig
 
-        build_hf_model.zero3_config = HfDeepSpeedConfig(ds_json)
+        _ZERO3_CONFIG = HfDeepSpeedConfig(ds_json)  # transformers holds only a weak reference
     if cfg.model.hf_path:
         model = model_class.from_pretrained(cfg.model.hf_path, dtype=torch.float32)
     else:
@@ -69,7 +73,7 @@ def build_hf_model(cfg: Config, ds_json: dict, deepspeed):
         # block whose inputs do not require grad (the embedding output under ZeRO-3, say).
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.config.use_cache = False
-    return model, dtype
+    return model
 
 
 _OUTPUT_PROJECTIONS = ("o_proj", "down_proj", "attn.c_proj", "mlp.c_proj")
@@ -134,7 +138,7 @@ class Checkpointing:
 
     def maybe_save(self, step: int) -> None:
         c = self.cfg.checkpoint
-        if (c.interval_steps and step % c.interval_steps == 0) or (c.interval_steps and step == self.layout.steps):
+        if c.interval_steps and (step % c.interval_steps == 0 or step == self.layout.steps):
             self.io.save(self.engine, self.root, step, self.layout, c.keep_last, self.cfg.train.fault)
 
 
@@ -155,7 +159,7 @@ def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
         from toolkit.train.deepspeed_pipe import train_pipeline
 
         return train_pipeline(cfg, layout, run_dir, deepspeed, ds_json)
-    model, dtype = build_hf_model(cfg, ds_json, deepspeed)
+    model = build_hf_model(cfg, ds_json, deepspeed)
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
                                            config=ds_json)
     run = Checkpointing(cfg, layout, run_dir, engine)
@@ -179,8 +183,6 @@ def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
         grad_norm = engine.get_global_grad_norm()
         metrics.step(step, loss, engine.get_lr()[0], None if grad_norm is None else float(grad_norm), False)
         run.maybe_save(step)
-    metrics.close(run_dir)
-    losses = [r["loss"] for r in metrics.history]
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    losses = metrics.close(run_dir)
+    end_process_group()
     return losses

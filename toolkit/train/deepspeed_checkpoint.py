@@ -3,10 +3,8 @@ the engine writes model, optimizer (ZeRO partitions), LR scheduler and its clien
 staging directory, each rank adds its random states, rank 0 publishes."""
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from toolkit.plan.layout import Layout
@@ -15,25 +13,12 @@ from toolkit.train import checkpoint as ckpt
 TAG = "state"
 
 
-def host_rng_state() -> dict:
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
-
-
-def set_host_rng_state(state: dict) -> None:
-    random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
-    torch.set_rng_state(state["torch"])
-    if state["cuda"] is not None and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
-
-
 def save(engine, root: Path, step: int, layout: Layout, keep_last: int, fault) -> Path | None:
     state = {"step": step, "consumed_samples": step * layout.global_batch,
              "layout": {"pp": layout.pp, "dp": layout.dp, "world": layout.world_size}}
     return ckpt.save_collectively(root, step, keep_last, fault,
                                   lambda staging: engine.save_checkpoint(str(staging), tag=TAG, client_state={"step": step}),
-                                  state, host_rng_state())
+                                  state, ckpt.host_rng_state())
 
 
 def load(engine, root: Path, layout: Layout) -> int:
@@ -43,7 +28,7 @@ def load(engine, root: Path, layout: Layout) -> int:
     _, client = engine.load_checkpoint(str(directory), tag=TAG)
     rng = ckpt.saved_rng_state(directory, layout.world_size)
     if rng is not None:
-        set_host_rng_state(rng)
+        ckpt.set_host_rng_state(rng)
     if torch.distributed.get_rank() == 0:
         print(f"resumed from {directory} at step {client['step']}", flush=True)
     return int(client["step"])

@@ -16,6 +16,7 @@ from torch import nn
 from toolkit.config.schema import Config
 from toolkit.plan.layout import Layout
 from toolkit.train.data import micro_batches, train_dataset
+from toolkit.train.distributed import end_process_group
 from toolkit.train.metrics import Metrics
 
 
@@ -83,7 +84,7 @@ def train_pipeline(cfg: Config, layout: Layout, run_dir: Path, deepspeed, ds_jso
 
     from toolkit.train.deepspeed_backend import build_hf_model
 
-    model, _ = build_hf_model(cfg, ds_json, deepspeed)
+    model = build_hf_model(cfg, ds_json, deepspeed)
     checkpoint = partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
     pipe = PipelineModule(
         layers=pipeline_layers(model, cfg.model.family), num_stages=layout.pp, loss_fn=_pipe_loss,
@@ -113,8 +114,6 @@ def train_pipeline(cfg: Config, layout: Layout, run_dir: Path, deepspeed, ds_jso
         metrics.step(step, run.checked_loss(step, total.item(), metrics), engine.get_lr()[0],
                      None if grad_norm is None else float(grad_norm), False)
         run.maybe_save(step)
-    metrics.close(run_dir)
-    losses = [r["loss"] for r in metrics.history]
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    losses = metrics.close(run_dir)
+    end_process_group()
     return losses

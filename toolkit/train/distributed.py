@@ -32,6 +32,13 @@ def init_process_group() -> None:
     torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=TIMEOUT)
 
 
+def end_process_group() -> None:
+    """Every rank is done: leave together, then tear the group down explicitly (gloo can abort
+    at interpreter shutdown otherwise)."""
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
 def detach_resource_tracker() -> None:
     """Start multiprocessing's resource tracker now, with /dev/null as its stdout and stderr.
 

@@ -5,6 +5,7 @@ Runs on NVIDIA GPUs with NCCL, and on CPU with gloo through toolkit.train.mcore_
 """
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import random
@@ -22,8 +23,7 @@ from toolkit.plan.checkpoint import checkpoint_plan
 from toolkit.train import checkpoint as ckpt
 from toolkit.train import mcore_cpu
 from toolkit.train.data import micro_batches, train_dataset
-from toolkit.train.deepspeed_checkpoint import host_rng_state, set_host_rng_state
-from toolkit.train.distributed import init_process_group
+from toolkit.train.distributed import end_process_group, init_process_group
 from toolkit.train.faults import Watchdog, first_attempt, inject_step_faults
 from toolkit.train.metrics import Metrics
 
@@ -82,13 +82,13 @@ def _save_weights(chunks: list, path: str) -> None:
 def _rng_state() -> dict:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    return {**host_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
+    return {**ckpt.host_rng_state(), "tracker": get_cuda_rng_tracker().get_states()}
 
 
 def _set_rng_state(state: dict) -> None:
     from megatron.core.tensor_parallel.random import get_cuda_rng_tracker
 
-    set_host_rng_state(state)
+    ckpt.set_host_rng_state(state)
     get_cuda_rng_tracker().set_states(state["tracker"])
 
 
@@ -157,8 +157,7 @@ def _auto_interval(cfg: Config, layout: Layout, published: Path | None, metrics:
     """The planner's interval (Daly, capped by the rework bound) from the measured save time."""
     seconds = [json.loads((published / ckpt.MANIFEST).read_text())["save_seconds"] if published else 0.0]
     torch.distributed.broadcast_object_list(seconds, src=0)
-    plan_cfg = cfg.__class__(**{**cfg.__dict__, "checkpoint": cfg.checkpoint.__class__(
-        **{**cfg.checkpoint.__dict__, "save_seconds": seconds[0]})})
+    plan_cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, save_seconds=seconds[0]))
     step_seconds = metrics.history[-1]["step_time_s"] if metrics.history else None
     plan = checkpoint_plan(plan_cfg, layout, step_seconds)
     if torch.distributed.get_rank() == 0:
@@ -253,9 +252,7 @@ def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
             last_save = time.monotonic()
             if cfg.checkpoint.auto_interval and interval_steps is None:
                 interval_steps = _auto_interval(cfg, layout, published, metrics)
-    metrics.close(run_dir)
-    losses = [r["loss"] for r in metrics.history]
+    losses = metrics.close(run_dir)
     parallel_state.destroy_model_parallel()
-    torch.distributed.barrier()
-    torch.distributed.destroy_process_group()
+    end_process_group()
     return losses

@@ -93,19 +93,22 @@ class Metrics:
             (self._bar.write if self._bar is not None else print)(line)
             sys.stdout.flush()
 
-    def close(self, run_dir: Path, complete: bool = True) -> None:
-        """Flush everything; result.json only for a run that completed (it marks success)."""
+    def close(self, run_dir: Path, complete: bool = True) -> list[float]:
+        """Flush everything; result.json only for a run that completed (it marks success).
+        Returns the loss curve (every rank keeps it)."""
+        losses = [r["loss"] for r in self.history]
         if not self.enabled:
-            return
+            return losses
         if self._bar is not None:
             self._bar.close()
         self._jsonl.close()
         self._tb.close()
         if not complete:
-            return
+            return losses
         summary = {"steps": len(self.history), "losses": [r["loss"] for r in self.history],
                    "final_loss": self.history[-1]["loss"] if self.history else None,
                    "mean_tokens_per_s": sum(r["tokens_per_s"] for r in self.history[1:]) / max(1, len(self.history) - 1)}
         tmp = run_dir / ".result.json.tmp"
         tmp.write_text(json.dumps(summary, indent=2))
         os.replace(tmp, run_dir / "result.json")  # written last: a finished run has result.json
+        return losses
