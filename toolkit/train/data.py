@@ -47,7 +47,10 @@ def corpus_dataset(cfg: Config, num_samples: int):
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
-    prefix = cfg.data.path or str(prepare_corpus(progress=torch.distributed.get_rank() == 0))
+    if not cfg.data.path and torch.distributed.get_rank() == 0:
+        prepare_corpus()  # once, on rank 0: the others wait and read the cached files
+    torch.distributed.barrier()
+    prefix = cfg.data.path or str(prepare_corpus(progress=False))
     config = GPTDatasetConfig(
         random_seed=cfg.train.seed, sequence_length=cfg.model.seq_length, blend=([prefix], None), split="100,0,0",
         tokenizer=_GPT2Vocabulary(), reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
