@@ -1,13 +1,18 @@
 """Long runs that finish (megatron backend, CPU): exact resume, resume into another layout,
-restart after a killed rank, corrupt and half-written checkpoints, a stalled rank, NaN losses."""
+restart after a killed rank, corrupt and half-written checkpoints, a stalled rank, NaN losses,
+asynchronous saves, and save intervals by wall time and by the planner's rule."""
 import json
 import os
+import re
 import subprocess
 import sys
 import time
 
 import pytest
 
+from toolkit.config.store import compose_config
+from toolkit.plan.checkpoint import checkpoint_plan
+from toolkit.plan.layout import resolve
 from toolkit.train import checkpoint as ckpt
 
 pytestmark = pytest.mark.slow
@@ -113,3 +118,54 @@ def test_nan_loss_stops_with_the_last_good_checkpoint_or_skips_the_step(tmp_path
     records = [json.loads(line) for line in (skipped.run_dir / "metrics.jsonl").read_text().splitlines()]
     assert [r["skipped"] for r in records] == [False, False, True, False, False, False]
     assert all(l == l for l in losses(skipped)[3:])  # finite again after the skipped step
+
+
+def test_async_save_resumes_like_the_uninterrupted_run(tmp_path, uninterrupted):
+    """The step-4 save is still in flight when rank 0 dies at the start of step 5: it is never
+    published, and the run resumes from step 2 with the uninterrupted losses."""
+    stopped = run(tmp_path, "run", *PP2, "checkpoint.async_save=true", "train.fault.kill_rank=0", "train.fault.kill_at_step=5")
+    assert stopped.returncode != 0
+    root = stopped.run_dir / "checkpoints"
+    assert ckpt.find_resumable(root) == root / "step_00000002" and not (root / "step_00000004").exists()
+    resumed = run(tmp_path, "run", *PP2, "checkpoint.async_save=true")
+    assert "resumed from" in resumed.stdout and "step_00000002" in resumed.stdout
+    assert losses(resumed) == uninterrupted["pp2"]
+    assert sorted(p.name for p in root.glob("step_*")) == ["step_00000002", "step_00000004", "step_00000006"]
+    assert all(ckpt.verify(p) is None for p in root.glob("step_*"))
+
+
+def saved_steps(result) -> list[int]:
+    return sorted(int(p.name.split("_")[1]) for p in (result.run_dir / "checkpoints").glob("step_*"))
+
+
+def test_interval_by_wall_time(tmp_path):
+    """A save is due once checkpoint.interval_minutes have passed since the last one: here
+    after every step (interval 0.06 ms)."""
+    result = run(tmp_path, "minutes", *PP2, "checkpoint.interval_steps=null", "checkpoint.interval_minutes=0.000001",
+                 "checkpoint.keep_last=10")
+    assert result.returncode == 0, result.stderr[-3000:]
+    assert saved_steps(result) == [1, 2, 3, 4, 5, 6]
+
+
+def check_planned_interval(result, *overrides):
+    """The run printed the planner's interval for its measured save and step times, and saved at
+    step 1 (the measurement), every N steps after, and at the end."""
+    assert result.returncode == 0, result.stderr[-3000:]
+    found = re.search(r"checkpoint interval: every (\d+) steps .*save ([\d.]+) s, step ([\d.]+) s", result.stdout)
+    assert found, result.stdout[-2000:]
+    every, save_seconds, step_seconds = int(found[1]), float(found[2]), float(found[3])
+    cfg = compose_config([*overrides, f"checkpoint.save_seconds={save_seconds}"])
+    printed_to = 0.0005  # the figures are printed to 3 decimals
+    assert every in {checkpoint_plan(cfg, resolve(cfg), step_seconds + e).recommended_steps for e in (-printed_to, 0, printed_to)}
+    steps = cfg.train.steps
+    assert saved_steps(result) == sorted({1, steps, *range(every, steps + 1, every)})
+
+
+AUTO = ["checkpoint.interval_steps=null", "checkpoint.auto_interval=true", "checkpoint.keep_last=10", "train.steps=8",
+        # a rework bound of 3 s: with ~1 s steps, a save every few steps
+        "checkpoint.acceptable_rework_minutes=0.025"]
+
+
+def test_interval_by_the_planners_rule(tmp_path):
+    result = run(tmp_path, "auto", *PP2, *AUTO)
+    check_planned_interval(result, *COMMON, *PP2, *AUTO)

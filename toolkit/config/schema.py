@@ -199,6 +199,9 @@ class CheckpointConfig:
     # or the planner's rule (Daly's interval, capped by the rework bound) with the measured save time
     auto_interval: bool = False
     keep_last: int = 3
+    # megatron backend: write the shards from a forked process while training goes on
+    # (megatron-core's asynchronous dist_checkpointing save); published when the writes are done.
+    async_save: bool = False
     resume: bool = True  # continue from the newest good checkpoint in `dir`
     # For the planner's interval rule: the rework one failure may cost at most, and the
     # measured time of one save (estimated from checkpoint size and bandwidth when null).

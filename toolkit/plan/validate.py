@@ -316,10 +316,12 @@ def _backend(cfg: Config) -> Iterator[Violation]:
         if cfg.precision.dtype == "fp8":
             yield _err("fp8_backend", {"precision.dtype": "fp8", "backend.name": b},
                        "FP8 training runs through Transformer Engine on the megatron backend", "use precision=bf16 or backend=megatron")
-        if cfg.train.fault.nan_action == "skip":
-            yield _err("nan_action_backend", {"train.fault.nan_action": "skip", "backend.name": b},
-                       "DeepSpeed applies the update inside engine.step, before parakit sees the step's loss",
-                       "use train.fault.nan_action=stop (the last good checkpoint is kept), or backend=megatron")
+        if cfg.train.fault.nan_action == "skip" and cfg.zero.stage == 0 and cfg.precision.dtype == "fp32":
+            # DeepSpeed drops an update with non-finite gradients only in its fp16/bf16 and ZeRO optimizers.
+            yield _err("nan_action_backend", {"train.fault.nan_action": "skip", "zero.stage": 0, "precision.dtype": "fp32",
+                                              "backend.name": b},
+                       "DeepSpeed's plain fp32 optimizer applies an update even when its gradients are NaN",
+                       "use zero=1 (or higher), precision=bf16, train.fault.nan_action=stop, or backend=megatron")
         if r.granularity == "selective":
             yield _err("recompute_backend", {"recompute.granularity": "selective", "backend.name": b},
                        "transformers models checkpoint whole layers only", "use recompute=full or backend=megatron")
@@ -400,6 +402,23 @@ def _optim(cfg: Config) -> Iterator[Violation]:
                    f"set optim.reference_global_batch to that batch (e.g. {cfg.train.global_batch})")
 
 
+def _checkpoint(cfg: Config) -> Iterator[Violation]:
+    c = cfg.checkpoint
+    if c.auto_interval and c.interval_steps:
+        yield _err("checkpoint_interval", {"checkpoint.auto_interval": True, "checkpoint.interval_steps": c.interval_steps},
+                   "two save intervals given: the planner's rule picks the interval in steps",
+                   "set checkpoint.interval_steps=null, or checkpoint.auto_interval=false")
+    if c.interval_minutes is not None and c.interval_minutes <= 0:
+        yield _err("range", {"checkpoint.interval_minutes": c.interval_minutes}, "a wall-time interval is positive",
+                   "set checkpoint.interval_minutes to e.g. 30, or null")
+    if c.async_save and cfg.backend.name == "deepspeed":
+        # DeepSpeed's background writers are Nebula (Azure only) and the decoupled FastPersist
+        # engine (the async_io op: libaio and NVMe); neither is part of parakit's stack.
+        yield _err("async_save_backend", {"checkpoint.async_save": True, "backend.name": "deepspeed"},
+                   "parakit's asynchronous save uses megatron-core's dist_checkpointing",
+                   "use checkpoint.async_save=false on the deepspeed backend, or backend=megatron")
+
+
 # ---------------------------------------------------------------- slow-but-valid layouts
 def _warnings(cfg: Config, layout: Layout) -> Iterator[Violation]:
     p, c, o, t, ch = cfg.parallel, cfg.cluster, cfg.optim, cfg.train, cfg.checks
@@ -434,7 +453,8 @@ def _warnings(cfg: Config, layout: Layout) -> Iterator[Violation]:
                     "the run ends before the learning-rate warmup does", f"set optim.warmup_steps<={max(1, layout.steps // 10)}")
 
 
-_ERROR_RULES: tuple[Callable[[Config], Iterator[Violation]], ...] = (_model, _parallel, _batch, _backend, _precision, _recompute, _optim)
+_ERROR_RULES: tuple[Callable[[Config], Iterator[Violation]], ...] = (_model, _parallel, _batch, _backend, _precision, _recompute, _optim,
+                                                                   _checkpoint)
 
 
 def validate(cfg: Config) -> Report:

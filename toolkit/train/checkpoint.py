@@ -13,6 +13,7 @@ import hashlib
 import json
 import os
 import shutil
+from functools import partial
 from pathlib import Path
 
 MANIFEST = "manifest.json"
@@ -132,15 +133,15 @@ def set_host_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_collectively(root: Path, step: int, keep_last: int, fault, write, trainer_state: dict, rng_state: dict) -> Path | None:
+def save_collectively(root: Path, step: int, keep_last: int, fault, write, trainer_state: dict, rng_state: dict) -> float:
     """Every rank: `write(staging)` its shards and its random state; rank 0 then publishes.
-    Fault injection: rank 0 dies before publishing, or damages the published checkpoint."""
-    import sys
+
+    `write` may return a `finish_later(publish)` function instead of None: its writes go on in the
+    background (an asynchronous save), and it runs `publish` on every rank once every rank's
+    writes are done. Returns the seconds training was held up (rank 0's figure counts)."""
     import time
 
     import torch
-
-    from toolkit.train.faults import _exit, corrupt, first_attempt
 
     rank = torch.distributed.get_rank()
     started = time.perf_counter()
@@ -148,21 +149,38 @@ def save_collectively(root: Path, step: int, keep_last: int, fault, write, train
         (prepare(root, step) / "rng").mkdir()
     torch.distributed.barrier()
     staging = partial_dir(root, step)
-    write(staging)
+    finish_later = write(staging)
     torch.save(rng_state, staging / "rng" / f"rank_{rank:05d}.pt")
+    finish = partial(_publish_collectively, root, step, keep_last, fault, trainer_state, started)
+    if finish_later is None:
+        finish()
+    else:
+        finish_later(finish)
+    return time.perf_counter() - started
+
+
+def _publish_collectively(root: Path, step: int, keep_last: int, fault, trainer_state: dict, started: float) -> None:
+    """(every rank, after every rank's writes) rank 0 publishes. Fault injection: rank 0 dies
+    before publishing, or damages the published checkpoint."""
+    import sys
+    import time
+
+    import torch
+
+    from toolkit.train.faults import _exit, corrupt, first_attempt
+
     torch.distributed.barrier()
-    published = None
-    if rank == 0:
+    if torch.distributed.get_rank() == 0:
         if fault.crash_in_save_at_step == step and first_attempt():
             print(f"fault injection: rank 0 dies while saving step {step}", file=sys.stderr, flush=True)
             _exit(1)
+        staging = partial_dir(root, step)
         (staging / "trainer_state.json").write_text(json.dumps(trainer_state))
-        published = publish(root, step, keep_last, {"save_seconds": time.perf_counter() - started})
+        published = publish(root, step, keep_last, {"write_seconds": time.perf_counter() - started})
         print(f"saved checkpoint {published} ({time.perf_counter() - started:.1f} s)", flush=True)
         if fault.corrupt_checkpoint_at_step == step and first_attempt():
             corrupt(published)
     torch.distributed.barrier()
-    return published
 
 
 def find_collectively(root: Path) -> Path | None:

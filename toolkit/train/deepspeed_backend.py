@@ -123,23 +123,42 @@ class Checkpointing:
     def __init__(self, cfg: Config, layout: Layout, run_dir: Path, engine):
         from toolkit.train import deepspeed_checkpoint
         from toolkit.train.faults import Watchdog
+        from toolkit.train.save_schedule import SaveSchedule
 
         self.cfg, self.layout, self.engine, self.io = cfg, layout, engine, deepspeed_checkpoint
         self.root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
         self.run_dir = run_dir
         self.start = self.io.load(engine, self.root, layout) if cfg.checkpoint.resume else 0
         self.watchdog = Watchdog(cfg.train.fault.watchdog_timeout_s)
+        self.schedule = SaveSchedule(cfg, layout)
 
-    def checked_loss(self, step: int, loss: float, metrics) -> float:
-        if not math.isfinite(loss) or (self.cfg.train.fault.nan_at_step == step and first_attempt()):
+    def nan_injected(self, step: int) -> bool:
+        """train.fault.nan_at_step: a loss of this step becomes NaN before the backward pass, so
+        that NaN gradients reach DeepSpeed as a numerical fault would."""
+        return self.cfg.train.fault.nan_at_step == step and first_attempt()
+
+    def poisoned(self, step: int, loss: torch.Tensor) -> torch.Tensor:
+        return loss * float("nan") if self.nan_injected(step) and torch.distributed.get_rank() == 0 else loss
+
+    def skipped(self, step: int, loss: float, metrics) -> bool:
+        """Whether the engine skipped this step's update. A non-finite loss stops the run (the last
+        good checkpoint kept) or, with nan_action=skip, relies on DeepSpeed's overflow check, which
+        drops the update when the gradients are not finite (fp16, bf16 and fp32 ZeRO 1-3)."""
+        applied = self.engine.was_step_applied()
+        if math.isfinite(loss):
+            return not applied  # fp16 loss-scale overflow
+        if self.cfg.train.fault.nan_action == "stop" or applied:
             metrics.close(self.run_dir, complete=False)
-            raise FloatingPointError(f"non-finite loss at step {step}; stopping with the last good checkpoint in {self.root} kept")
-        return loss
+            why = ("DeepSpeed applied the update (no overflow check in this configuration)" if applied and
+                   self.cfg.train.fault.nan_action == "skip" else "train.fault.nan_action=skip skips such steps")
+            raise FloatingPointError(f"non-finite loss {loss} at step {step}; stopping with the last good checkpoint "
+                                     f"in {self.root} kept ({why})")
+        return True
 
-    def maybe_save(self, step: int) -> None:
-        c = self.cfg.checkpoint
-        if c.interval_steps and (step % c.interval_steps == 0 or step == self.layout.steps):
-            self.io.save(self.engine, self.root, step, self.layout, c.keep_last, self.cfg.train.fault)
+    def maybe_save(self, step: int, metrics) -> None:
+        if self.schedule.due(step):
+            blocked = self.io.save(self.engine, self.root, step, self.layout, self.cfg.checkpoint.keep_last, self.cfg.train.fault)
+            self.schedule.saved(blocked, metrics.history[-1]["step_time_s"])
 
 
 def _seed(seed: int) -> None:
@@ -172,17 +191,18 @@ def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
         for _ in range(layout.grad_accum):
             batch = {k: v.to(device) for k, v in next(batches).items()}
             logits = engine(input_ids=batch["tokens"], position_ids=batch["position_ids"]).logits
-            loss = token_loss(logits, batch["labels"], batch["loss_mask"])
+            loss = run.poisoned(step, token_loss(logits, batch["labels"], batch["loss_mask"]))
             engine.backward(loss)
             engine.step()  # DeepSpeed updates only at the accumulation boundary
             total += loss.detach().float().cpu()
             run.watchdog.beat(step)
         total /= layout.grad_accum
         torch.distributed.all_reduce(total)
-        loss = run.checked_loss(step, total.item() / layout.dp, metrics)
+        loss = total.item() / layout.dp
+        skipped = run.skipped(step, loss, metrics)
         grad_norm = engine.get_global_grad_norm()
-        metrics.step(step, loss, engine.get_lr()[0], None if grad_norm is None else float(grad_norm), False)
-        run.maybe_save(step)
+        metrics.step(step, loss, engine.get_lr()[0], None if grad_norm is None or skipped else float(grad_norm), skipped)
+        run.maybe_save(step, metrics)
     losses = metrics.close(run_dir)
     end_process_group()
     return losses

@@ -13,7 +13,7 @@ from toolkit.train import checkpoint as ckpt
 TAG = "state"
 
 
-def save(engine, root: Path, step: int, layout: Layout, keep_last: int, fault) -> Path | None:
+def save(engine, root: Path, step: int, layout: Layout, keep_last: int, fault) -> float:
     state = {"step": step, "consumed_samples": step * layout.global_batch,
              "layout": {"pp": layout.pp, "dp": layout.dp, "world": layout.world_size}}
     return ckpt.save_collectively(root, step, keep_last, fault,

@@ -67,11 +67,18 @@ def pipeline_layers(model, family: str) -> list[nn.Module]:
             HeadPipe(body.norm, model.lm_head)]
 
 
-def _pipe_loss(logits, labels):
-    from toolkit.train.deepspeed_backend import token_loss
+class _PipeLoss:
+    """The last stage's loss; `poison` makes it NaN (train.fault.nan_at_step)."""
 
-    target, loss_mask = labels
-    return token_loss(logits, target, loss_mask)
+    def __init__(self):
+        self.poison = False
+
+    def __call__(self, logits, labels):
+        from toolkit.train.deepspeed_backend import token_loss
+
+        target, loss_mask = labels
+        loss = token_loss(logits, target, loss_mask)
+        return loss * float("nan") if self.poison else loss
 
 
 def _pipe_batches(batches):
@@ -86,8 +93,9 @@ def train_pipeline(cfg: Config, layout: Layout, run_dir: Path, deepspeed, ds_jso
 
     model = build_hf_model(cfg, ds_json, deepspeed)
     checkpoint = partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+    pipe_loss = _PipeLoss()
     pipe = PipelineModule(
-        layers=pipeline_layers(model, cfg.model.family), num_stages=layout.pp, loss_fn=_pipe_loss,
+        layers=pipeline_layers(model, cfg.model.family), num_stages=layout.pp, loss_fn=pipe_loss,
         partition_method="type:DecoderPipe",
         activation_checkpoint_interval=cfg.recompute.num_layers if cfg.recompute.granularity == "full" else 0,
         activation_checkpoint_func=checkpoint)
@@ -103,6 +111,7 @@ def train_pipeline(cfg: Config, layout: Layout, run_dir: Path, deepspeed, ds_jso
     metrics = Metrics(cfg, layout, run_dir, enabled=torch.distributed.get_rank() == 0, resume_step=run.start)
     for step in range(run.start + 1, layout.steps + 1):
         inject_step_faults(cfg.train.fault, step)
+        pipe_loss.poison = run.nan_injected(step)
         loss = engine.train_batch(data_iter=batches)  # mean over micro-batches, on every stage
         run.watchdog.beat(step)
         total = loss.detach().float().cpu().reshape(1)
@@ -110,10 +119,10 @@ def train_pipeline(cfg: Config, layout: Layout, run_dir: Path, deepspeed, ds_jso
             torch.distributed.all_reduce(total, group=engine.grid.get_data_parallel_group())
         total = total / layout.dp
         torch.distributed.broadcast(total, src=torch.distributed.get_world_size() - 1)  # the last stage's value
+        skipped = run.skipped(step, total.item(), metrics)
         grad_norm = engine.get_global_grad_norm()
-        metrics.step(step, run.checked_loss(step, total.item(), metrics), engine.get_lr()[0],
-                     None if grad_norm is None else float(grad_norm), False)
-        run.maybe_save(step)
+        metrics.step(step, total.item(), engine.get_lr()[0], None if grad_norm is None or skipped else float(grad_norm), skipped)
+        run.maybe_save(step, metrics)
     losses = metrics.close(run_dir)
     end_process_group()
     return losses

@@ -5,11 +5,9 @@ Runs on NVIDIA GPUs with NCCL, and on CPU with gloo through toolkit.train.mcore_
 """
 from __future__ import annotations
 
-import dataclasses
 import json
 import math
 import random
-import time
 from functools import partial
 from pathlib import Path
 
@@ -19,13 +17,13 @@ import torch
 from toolkit.config.schema import Config
 from toolkit.emit.megatron import build_megatron_configs, megatron_sections
 from toolkit.plan.layout import Layout
-from toolkit.plan.checkpoint import checkpoint_plan
 from toolkit.train import checkpoint as ckpt
 from toolkit.train import mcore_cpu
 from toolkit.train.data import micro_batches, train_dataset
 from toolkit.train.distributed import end_process_group, init_process_group
 from toolkit.train.faults import Watchdog, first_attempt, inject_step_faults
 from toolkit.train.metrics import Metrics
+from toolkit.train.save_schedule import SaveSchedule
 
 _OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}  # loadable at any dp/tp/pp
 
@@ -108,12 +106,25 @@ def _seed_optimizer_states(optimizer) -> None:
                     state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param))
 
 
-def save_checkpoint(root: Path, step: int, chunks, optimizer, scheduler, layout: Layout, keep_last: int, fault) -> Path | None:
+def save_checkpoint(root: Path, step: int, chunks, optimizer, scheduler, layout: Layout, keep_last: int, fault,
+                    async_queue=None) -> float:
+    """A verified checkpoint of `step`; returns the seconds training was held up. With an
+    `async_queue` (megatron-core's AsyncCallsQueue) the shards are written by a forked process
+    (a snapshot of this moment) while training goes on, and the checkpoint is published when
+    the queue finalizes the save on every rank."""
     from megatron.core import dist_checkpointing
 
-    def write(staging: Path) -> None:
+    def write(staging: Path):
         (staging / "model_optim").mkdir(exist_ok=True)
-        dist_checkpointing.save(_sharded_state(chunks, optimizer, is_loading=False), str(staging / "model_optim"))
+        request = dist_checkpointing.save(_sharded_state(chunks, optimizer, is_loading=False), str(staging / "model_optim"),
+                                          async_sharded_save=async_queue is not None, async_strategy="mcore")
+        if async_queue is None:
+            return None
+
+        def finish_later(publish):
+            request.add_finalize_fn(publish)
+            async_queue.schedule_async_request(request)
+        return finish_later
 
     state = {"step": step, "consumed_samples": step * layout.global_batch, "scheduler": scheduler.state_dict(),
              "layout": {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "dp": layout.dp, "world": layout.world_size}}
@@ -142,33 +153,10 @@ def load_checkpoint(root: Path, chunks, optimizer, scheduler, layout: Layout) ->
     return state["step"]
 
 
-def _save_due(cfg: Config, step: int, last_save: float, interval_steps: int | None, last_step: int) -> bool:
-    if step == last_step:
-        return True
-    if interval_steps and step % interval_steps == 0:
-        return True
-    minutes = cfg.checkpoint.interval_minutes
-    decision = torch.tensor([bool(minutes) and (time.monotonic() - last_save) / 60 >= minutes], dtype=torch.uint8)
-    torch.distributed.broadcast(decision, src=0)  # rank 0's clock decides for everybody
-    return bool(decision.item())
-
-
-def _auto_interval(cfg: Config, layout: Layout, published: Path | None, metrics: Metrics) -> int:
-    """The planner's interval (Daly, capped by the rework bound) from the measured save time."""
-    seconds = [json.loads((published / ckpt.MANIFEST).read_text())["save_seconds"] if published else 0.0]
-    torch.distributed.broadcast_object_list(seconds, src=0)
-    plan_cfg = dataclasses.replace(cfg, checkpoint=dataclasses.replace(cfg.checkpoint, save_seconds=seconds[0]))
-    step_seconds = metrics.history[-1]["step_time_s"] if metrics.history else None
-    plan = checkpoint_plan(plan_cfg, layout, step_seconds)
-    if torch.distributed.get_rank() == 0:
-        print(f"checkpoint interval: every {plan.recommended_steps} steps ({plan.recommended_minutes:.1f} min; save "
-              f"{plan.save_seconds:.1f} s, job MTBF {plan.job_mtbf_hours:.1f} h)", flush=True)
-    return plan.recommended_steps or 1
-
-
 def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
     mcore_cpu.enable()
     from megatron.core import parallel_state
+    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
     from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
     from megatron.core.optimizer import get_megatron_optimizer
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
@@ -201,7 +189,6 @@ def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
     scheduler = OptimizerParamScheduler(optimizer, **sections["scheduler"])
 
     checkpoints = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
-    saving = bool(cfg.checkpoint.interval_steps or cfg.checkpoint.interval_minutes or cfg.checkpoint.auto_interval)
     start = load_checkpoint(checkpoints, chunks, optimizer, scheduler, layout) if cfg.checkpoint.resume else 0
 
     dataset = train_dataset(cfg, layout)
@@ -213,7 +200,8 @@ def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
     metrics = Metrics(cfg, layout, run_dir, enabled=torch.distributed.get_rank() == 0, resume_step=start)
     watchdog = Watchdog(cfg.train.fault.watchdog_timeout_s)
     fault = cfg.train.fault
-    interval_steps, last_save = cfg.checkpoint.interval_steps, time.monotonic()
+    schedule = SaveSchedule(cfg, layout)
+    async_queue = AsyncCallsQueue() if cfg.checkpoint.async_save else None
     forward_backward = get_forward_backward_func()
 
     def forward_step(data_iterator, model_chunk):
@@ -238,6 +226,8 @@ def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
         loss = total.item() / (layout.dp * layout.cp)
         if not math.isfinite(loss):
             if fault.nan_action == "stop":
+                if async_queue is not None:
+                    async_queue.close()  # the save in flight holds finite weights: publish it
                 metrics.close(run_dir, complete=False)
                 raise FloatingPointError(f"non-finite loss {loss} at step {step}; stopping with the last good checkpoint "
                                          f"in {checkpoints} kept (train.fault.nan_action=skip skips such steps)")
@@ -247,11 +237,15 @@ def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
         if updated:
             scheduler.step(increment=1)
         metrics.step(step, loss, optimizer.param_groups[0]["lr"], None if grad_norm is None else float(grad_norm), not updated)
-        if saving and _save_due(cfg, step, last_save, interval_steps, layout.steps):
-            published = save_checkpoint(checkpoints, step, chunks, optimizer, scheduler, layout, cfg.checkpoint.keep_last, fault)
-            last_save = time.monotonic()
-            if cfg.checkpoint.auto_interval and interval_steps is None:
-                interval_steps = _auto_interval(cfg, layout, published, metrics)
+        save_now = schedule.due(step)
+        if async_queue is not None:
+            async_queue.maybe_finalize_async_calls(blocking=save_now)  # one save in flight at a time
+        if save_now:
+            blocked = save_checkpoint(checkpoints, step, chunks, optimizer, scheduler, layout, cfg.checkpoint.keep_last,
+                                      fault, async_queue)
+            schedule.saved(blocked, metrics.history[-1]["step_time_s"])
+    if async_queue is not None:
+        async_queue.close()  # waits for the last save and publishes it
     losses = metrics.close(run_dir)
     parallel_state.destroy_model_parallel()
     end_process_group()
