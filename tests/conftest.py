@@ -1,4 +1,6 @@
 import os
+import subprocess
+import time
 import warnings
 
 import pytest
@@ -14,3 +16,12 @@ from toolkit.config.store import compose_config  # noqa: E402
 def compose():
     """compose(*overrides) -> Config, through Hydra exactly as the CLI composes it."""
     return lambda *overrides: compose_config(list(overrides))
+
+
+@pytest.fixture
+def no_processes_left_behind(tmp_path):
+    """No process of this test's runs (their command lines name its directory) outlives the test."""
+    yield
+    time.sleep(1)
+    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
+    assert not left, f"training processes left behind: {left}"

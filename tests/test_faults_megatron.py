@@ -1,21 +1,13 @@
 """Long runs that finish (megatron backend, CPU): exact resume, resume into another layout,
 restart after a killed rank, corrupt and half-written checkpoints, a stalled rank, NaN losses,
 asynchronous saves, and save intervals by wall time and by the planner's rule."""
-import json
-import os
-import re
-import subprocess
-import sys
-import time
-
 import pytest
 
-from toolkit.config.store import compose_config
-from toolkit.plan.checkpoint import checkpoint_plan
-from toolkit.plan.layout import resolve
+import training_runs
 from toolkit.train import checkpoint as ckpt
+from training_runs import AUTO_INTERVAL, check_planned_interval, losses, records, saved_steps
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_processes_left_behind")]
 
 COMMON = ["model=tiny", "model.vocab_size=50688", "data=synthetic", "precision=fp32", "zero=1", "train.steps=6",
           "train.global_batch=8", "train.micro_batch=1", "optim.lr=1e-3", "optim.warmup_steps=1", "checkpoint.interval_steps=2",
@@ -25,28 +17,7 @@ PP2 = ["cluster.gpus_per_node=2", "parallel.pp=2"]
 
 
 def run(tmp_path, name, *overrides, timeout=600):
-    run_dir = tmp_path / name
-    started = time.monotonic()
-    env = {**os.environ, "PARAKIT_DIST_TIMEOUT_S": "180"}
-    result = subprocess.run([sys.executable, "-m", "toolkit.cli", "train", *COMMON, *overrides, f"hydra.run.dir={run_dir}"],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=timeout, env=env)
-    result.seconds = time.monotonic() - started
-    result.run_dir = run_dir
-    return result
-
-
-def losses(result):
-    assert (result.run_dir / "result.json").exists(), result.stdout[-2000:] + result.stderr[-4000:]
-    return json.loads((result.run_dir / "result.json").read_text())["losses"]
-
-
-@pytest.fixture(autouse=True)
-def no_processes_left_behind(tmp_path):
-    """No rank of this test's runs (their command lines name its directory) outlives the test."""
-    yield
-    time.sleep(1)
-    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
-    assert not left, f"training processes left behind: {left}"
+    return training_runs.run(tmp_path, name, *COMMON, *overrides, timeout=timeout)
 
 
 @pytest.fixture(scope="module")
@@ -115,8 +86,7 @@ def test_nan_loss_stops_with_the_last_good_checkpoint_or_skips_the_step(tmp_path
     assert not (stopped.run_dir / "result.json").exists()
     assert ckpt.find_resumable(stopped.run_dir / "checkpoints").name == "step_00000002"
     skipped = run(tmp_path, "skip", *PP2, "train.fault.nan_at_step=3", "train.fault.nan_action=skip")
-    records = [json.loads(line) for line in (skipped.run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert [r["skipped"] for r in records] == [False, False, True, False, False, False]
+    assert [r["skipped"] for r in records(skipped)] == [False, False, True, False, False, False]
     assert all(l == l for l in losses(skipped)[3:])  # finite again after the skipped step
 
 
@@ -134,10 +104,6 @@ def test_async_save_resumes_like_the_uninterrupted_run(tmp_path, uninterrupted):
     assert all(ckpt.verify(p) is None for p in root.glob("step_*"))
 
 
-def saved_steps(result) -> list[int]:
-    return sorted(int(p.name.split("_")[1]) for p in (result.run_dir / "checkpoints").glob("step_*"))
-
-
 def test_interval_by_wall_time(tmp_path):
     """A save is due once checkpoint.interval_minutes have passed since the last one: here
     after every step (interval 0.06 ms)."""
@@ -147,25 +113,6 @@ def test_interval_by_wall_time(tmp_path):
     assert saved_steps(result) == [1, 2, 3, 4, 5, 6]
 
 
-def check_planned_interval(result, *overrides):
-    """The run printed the planner's interval for its measured save and step times, and saved at
-    step 1 (the measurement), every N steps after, and at the end."""
-    assert result.returncode == 0, result.stderr[-3000:]
-    found = re.search(r"checkpoint interval: every (\d+) steps .*save ([\d.]+) s, step ([\d.]+) s", result.stdout)
-    assert found, result.stdout[-2000:]
-    every, save_seconds, step_seconds = int(found[1]), float(found[2]), float(found[3])
-    cfg = compose_config([*overrides, f"checkpoint.save_seconds={save_seconds}"])
-    printed_to = 0.0005  # the figures are printed to 3 decimals
-    assert every in {checkpoint_plan(cfg, resolve(cfg), step_seconds + e).recommended_steps for e in (-printed_to, 0, printed_to)}
-    steps = cfg.train.steps
-    assert saved_steps(result) == sorted({1, steps, *range(every, steps + 1, every)})
-
-
-AUTO = ["checkpoint.interval_steps=null", "checkpoint.auto_interval=true", "checkpoint.keep_last=10", "train.steps=8",
-        # a rework bound of 3 s: with ~1 s steps, a save every few steps
-        "checkpoint.acceptable_rework_minutes=0.025"]
-
-
 def test_interval_by_the_planners_rule(tmp_path):
-    result = run(tmp_path, "auto", *PP2, *AUTO)
-    check_planned_interval(result, *COMMON, *PP2, *AUTO)
+    result = run(tmp_path, "auto", *PP2, *AUTO_INTERVAL)
+    check_planned_interval(result, *COMMON, *PP2, *AUTO_INTERVAL)

@@ -16,9 +16,11 @@ TAG = "state"
 def save(engine, root: Path, step: int, layout: Layout, keep_last: int, fault) -> float:
     state = {"step": step, "consumed_samples": step * layout.global_batch,
              "layout": {"pp": layout.pp, "dp": layout.dp, "world": layout.world_size}}
-    return ckpt.save_collectively(root, step, keep_last, fault,
-                                  lambda staging: engine.save_checkpoint(str(staging), tag=TAG, client_state={"step": step}),
-                                  state, ckpt.host_rng_state())
+
+    def write(staging: Path) -> None:  # synchronous: the engine's writes are done when it returns
+        engine.save_checkpoint(str(staging), tag=TAG, client_state={"step": step})
+
+    return ckpt.save_collectively(root, step, keep_last, fault, write, state, ckpt.host_rng_state())
 
 
 def load(engine, root: Path, layout: Layout) -> int:
