@@ -20,7 +20,7 @@ DS_BUCKETS = ["zero.reduce_bucket_size=500000", "zero.allgather_bucket_size=5000
               "zero.stage3_param_persistence_threshold=0", "zero.stage3_prefetch_bucket_size=500000"]
 TOLERANCE = 0.005  # 0.5%: scalars, RNG states and Megatron's bucket padding
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_processes_left_behind")]
 
 
 def measure(script: str, overrides: list[str], tmp_path) -> dict:

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_processes_left_behind")]
 
 COMMON = ["model=tiny", "backend=deepspeed", "data=synthetic", "precision=fp32", "train.steps=4", "train.global_batch=8",
           "train.micro_batch=2", "optim.lr=1e-3", "optim.warmup_steps=1"]

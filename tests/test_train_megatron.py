@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-pytestmark = pytest.mark.slow
+pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_processes_left_behind")]
 
 # fp32, synthetic tokens, Adam via the distributed optimizer. The vocabulary is pre-padded to a
 # multiple of 128 x 4 so that every tp <= 4 pads it identically (Megatron pads to 128 x tp, and

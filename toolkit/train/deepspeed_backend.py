@@ -158,7 +158,7 @@ class Checkpointing:
     def maybe_save(self, step: int, metrics) -> None:
         if self.schedule.due(step):
             blocked = self.io.save(self.engine, self.root, step, self.layout, self.cfg.checkpoint.keep_last, self.cfg.train.fault)
-            self.schedule.saved(blocked, metrics.history[-1]["step_time_s"])
+            self.schedule.saved(step, blocked, metrics.history[-1]["step_time_s"])
 
 
 def _seed(seed: int) -> None:

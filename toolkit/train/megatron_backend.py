@@ -243,7 +243,7 @@ def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
         if save_now:
             blocked = save_checkpoint(checkpoints, step, chunks, optimizer, scheduler, layout, cfg.checkpoint.keep_last,
                                       fault, async_queue)
-            schedule.saved(blocked, metrics.history[-1]["step_time_s"])
+            schedule.saved(step, blocked, metrics.history[-1]["step_time_s"])
     if async_queue is not None:
         async_queue.close()  # waits for the last save and publishes it
     losses = metrics.close(run_dir)

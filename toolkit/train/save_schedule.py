@@ -39,9 +39,11 @@ class SaveSchedule:
         torch.distributed.broadcast(decision, src=0)
         return bool(decision.item())
 
-    def saved(self, save_seconds: float, step_seconds: float | None) -> None:
+    def saved(self, step: int, save_seconds: float, step_seconds: float | None) -> None:
         """After a save: restart the clock; the first save also fixes the planner's interval."""
         self.last_save = time.monotonic()
+        if torch.distributed.get_rank() == 0:
+            print(f"checkpoint of step {step}: training held up {save_seconds:.3f} s", flush=True)
         if self.cfg.checkpoint.auto_interval and self.interval_steps is None:
             self.interval_steps = self._planned_interval(save_seconds, step_seconds)
 
