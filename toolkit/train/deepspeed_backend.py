@@ -157,8 +157,9 @@ class Checkpointing:
 
     def maybe_save(self, step: int, metrics) -> None:
         if self.schedule.due(step):
-            blocked = self.io.save(self.engine, self.root, step, self.layout, self.cfg.checkpoint.keep_last, self.cfg.train.fault)
-            self.schedule.saved(step, blocked, metrics.history[-1]["step_time_s"])
+            with self.watchdog.suspended():
+                blocked = self.io.save(self.engine, self.root, step, self.layout, self.cfg.checkpoint.keep_last, self.cfg.train.fault)
+                self.schedule.saved(step, blocked, metrics.history[-1]["step_time_s"])
 
 
 def _seed(seed: int) -> None:

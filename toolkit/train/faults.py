@@ -9,6 +9,7 @@ torchrun tears the job down and restarts it instead of hanging until the collect
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -40,6 +41,7 @@ class Watchdog:
         self.progress = 0
         self.step = 0
         self._moved = time.monotonic()
+        self._suspended = False
         self._store = torch.distributed.distributed_c10d._get_default_store() if timeout_s else None
         if timeout_s:
             self._publish()
@@ -56,11 +58,22 @@ class Watchdog:
         if self._store is not None:
             self._publish()
 
+    @contextlib.contextmanager
+    def suspended(self):
+        """Checkpoint I/O is not compute: a long save must not look like a stuck rank (a hung
+        filesystem still ends in the collective timeout)."""
+        self._suspended = True
+        try:
+            yield
+        finally:
+            self._moved = time.monotonic()
+            self._suspended = False
+
     def _watch(self) -> None:
         while True:
             time.sleep(min(1.0, self.timeout / 4))
             idle = time.monotonic() - self._moved
-            if idle < self.timeout:
+            if idle < self.timeout or self._suspended:
                 continue
             counts = {}
             for rank in range(self.world):

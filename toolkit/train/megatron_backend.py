@@ -238,14 +238,16 @@ def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
             scheduler.step(increment=1)
         metrics.step(step, loss, optimizer.param_groups[0]["lr"], None if grad_norm is None else float(grad_norm), not updated)
         save_now = schedule.due(step)
+        with watchdog.suspended():
+            if async_queue is not None:
+                async_queue.maybe_finalize_async_calls(blocking=save_now)  # one save in flight at a time
+            if save_now:
+                blocked = save_checkpoint(checkpoints, step, chunks, optimizer, scheduler, layout, cfg.checkpoint.keep_last,
+                                          fault, async_queue)
+                schedule.saved(step, blocked, metrics.history[-1]["step_time_s"])
+    with watchdog.suspended():
         if async_queue is not None:
-            async_queue.maybe_finalize_async_calls(blocking=save_now)  # one save in flight at a time
-        if save_now:
-            blocked = save_checkpoint(checkpoints, step, chunks, optimizer, scheduler, layout, cfg.checkpoint.keep_last,
-                                      fault, async_queue)
-            schedule.saved(step, blocked, metrics.history[-1]["step_time_s"])
-    if async_queue is not None:
-        async_queue.close()  # waits for the last save and publishes it
+            async_queue.close()  # waits for the last save and publishes it
     losses = metrics.close(run_dir)
     parallel_state.destroy_model_parallel()
     end_process_group()
