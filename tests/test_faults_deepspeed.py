@@ -5,7 +5,7 @@ import pytest
 
 import training_runs
 from toolkit.train import checkpoint as ckpt
-from training_runs import AUTO_INTERVAL, check_planned_interval, losses, records, saved_steps
+from training_runs import AUTO_INTERVAL, check_planned_interval, losses, records
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_processes_left_behind")]
 
@@ -25,21 +25,21 @@ def uninterrupted(tmp_path_factory):
     return {name: losses(run(tmp, name, *layout)) for name, layout in LAYOUTS.items()}
 
 
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_stopped_and_resumed_run_equals_the_uninterrupted_run(tmp_path, uninterrupted, layout):
-    stopped = run(tmp_path, "run", *LAYOUTS[layout], "train.fault.kill_rank=1", "train.fault.kill_at_step=5")
+def test_stopped_pipeline_run_resumes_exactly(tmp_path, uninterrupted):
+    stopped = run(tmp_path, "run", *LAYOUTS["pipeline"], "train.fault.kill_rank=1", "train.fault.kill_at_step=5")
     assert stopped.returncode != 0 and not (stopped.run_dir / "result.json").exists()
-    resumed = run(tmp_path, "run", *LAYOUTS[layout])
+    resumed = run(tmp_path, "run", *LAYOUTS["pipeline"])
     assert "resumed from" in resumed.stdout and "step_00000004" in resumed.stdout
-    assert losses(resumed) == uninterrupted[layout]  # bit for bit
+    assert losses(resumed) == uninterrupted["pipeline"]  # bit for bit
 
 
-def test_killed_rank_restarts_and_ends_with_the_uninterrupted_loss(tmp_path, uninterrupted):
+def test_killed_rank_restarts_and_resumes_exactly(tmp_path, uninterrupted):
+    """ZeRO-3: rank 1 dies at step 5, torchrun restarts both ranks, they resume from step 4."""
     result = run(tmp_path, "restart", *LAYOUTS["zero3"], "train.fault.kill_rank=1", "train.fault.kill_at_step=5",
                  "train.fault.max_restarts=1")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "killing rank 1" in result.stderr and "resumed from" in result.stdout
-    assert losses(result)[-1] == uninterrupted["zero3"][-1]
+    assert "killing rank 1" in result.stderr and "resumed from" in result.stdout and "step_00000004" in result.stdout
+    assert losses(result) == uninterrupted["zero3"]  # bit for bit
 
 
 def test_nan_loss_stops_with_the_last_good_checkpoint(tmp_path):
@@ -61,13 +61,6 @@ def test_nan_loss_skips_the_update(tmp_path):
         assert steps[2]["lr"] == steps[1]["lr"] and steps[3]["lr"] > steps[2]["lr"]
         curves[name] = losses(result)
     assert curves["pipeline"][3:] == pytest.approx(curves["zero1_dp2"][3:], abs=1e-4)
-
-
-def test_interval_by_wall_time(tmp_path):
-    result = run(tmp_path, "minutes", "zero=2", "checkpoint.interval_steps=null", "checkpoint.interval_minutes=0.000001",
-                 "checkpoint.keep_last=10")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert saved_steps(result) == [1, 2, 3, 4, 5, 6]
 
 
 def test_interval_by_the_planners_rule(tmp_path):

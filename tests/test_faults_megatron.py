@@ -1,11 +1,13 @@
 """Long runs that finish (megatron backend, CPU): exact resume, resume into another layout,
 restart after a killed rank, corrupt and half-written checkpoints, a stalled rank, NaN losses,
 asynchronous saves, and save intervals by wall time and by the planner's rule."""
+import shutil
+
 import pytest
 
 import training_runs
 from toolkit.train import checkpoint as ckpt
-from training_runs import AUTO_INTERVAL, check_planned_interval, losses, records, saved_steps
+from training_runs import AUTO_INTERVAL, check_planned_interval, losses, records
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_processes_left_behind")]
 
@@ -26,21 +28,18 @@ def uninterrupted(tmp_path_factory):
     return {"tp2_pp2_vpp2": losses(run(tmp, "a", *TP2_PP2_VPP2)), "pp2": losses(run(tmp, "b", *PP2))}
 
 
-@pytest.mark.parametrize("layout", ["tp2_pp2_vpp2", "pp2"])
-def test_stopped_and_resumed_run_equals_the_uninterrupted_run(tmp_path, uninterrupted, layout):
-    overrides = TP2_PP2_VPP2 if layout == "tp2_pp2_vpp2" else PP2
-    stopped = run(tmp_path, "run", *overrides, "train.fault.kill_rank=0", "train.fault.kill_at_step=5")
+def test_stopped_run_resumes_exactly_and_into_another_layout(tmp_path, uninterrupted):
+    """Rank 3 dies at the start of step 5 of a tp2 pp2 vpp2 run. Started again it resumes from
+    step 4 bit for bit; a pp2 dp2 run pointed at the same checkpoints (dist_checkpointing
+    resharding, distributed optimizer included) continues within 1e-6."""
+    stopped = run(tmp_path, "run", *TP2_PP2_VPP2, "train.fault.kill_rank=3", "train.fault.kill_at_step=5")
     assert stopped.returncode != 0 and not (stopped.run_dir / "result.json").exists()
-    resumed = run(tmp_path, "run", *overrides)
+    checkpoints = tmp_path / "checkpoints"
+    shutil.copytree(stopped.run_dir / "checkpoints", checkpoints)
+    resumed = run(tmp_path, "run", *TP2_PP2_VPP2)
     assert "resumed from" in resumed.stdout and "step_00000004" in resumed.stdout
-    assert losses(resumed) == uninterrupted[layout]  # bit for bit
-
-
-def test_resume_into_another_layout(tmp_path, uninterrupted):
-    first = run(tmp_path, "tp2_pp2_vpp2", *TP2_PP2_VPP2, "train.fault.kill_rank=3", "train.fault.kill_at_step=5")
-    assert first.returncode != 0
-    moved = run(tmp_path, "pp2_dp2", "cluster.gpus_per_node=4", "parallel.pp=2",
-                f"checkpoint.dir={first.run_dir / 'checkpoints'}")
+    assert losses(resumed) == uninterrupted["tp2_pp2_vpp2"]  # bit for bit
+    moved = run(tmp_path, "pp2_dp2", "cluster.gpus_per_node=4", "parallel.pp=2", f"checkpoint.dir={checkpoints}")
     assert "resumed from" in moved.stdout
     # a new run directory: its curve starts after the checkpoint (steps 5 and 6)
     assert losses(moved) == pytest.approx(uninterrupted["tp2_pp2_vpp2"][4:], abs=1e-6)
@@ -49,8 +48,8 @@ def test_resume_into_another_layout(tmp_path, uninterrupted):
 def test_killed_rank_restarts_and_ends_with_the_uninterrupted_loss(tmp_path, uninterrupted):
     result = run(tmp_path, "restart", *PP2, "train.fault.kill_rank=1", "train.fault.kill_at_step=5", "train.fault.max_restarts=1")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "killing rank 1" in result.stderr and "resumed from" in result.stdout
-    assert losses(result)[-1] == uninterrupted["pp2"][-1]
+    assert "killing rank 1" in result.stderr and "resumed from" in result.stdout and "step_00000004" in result.stdout
+    assert losses(result) == uninterrupted["pp2"]  # the restarted ranks resume bit for bit
 
 
 def test_corrupt_newest_checkpoint_is_detected_and_the_previous_one_used(tmp_path, uninterrupted):
@@ -102,15 +101,6 @@ def test_async_save_resumes_like_the_uninterrupted_run(tmp_path, uninterrupted):
     assert losses(resumed) == uninterrupted["pp2"]
     assert sorted(p.name for p in root.glob("step_*")) == ["step_00000002", "step_00000004", "step_00000006"]
     assert all(ckpt.verify(p) is None for p in root.glob("step_*"))
-
-
-def test_interval_by_wall_time(tmp_path):
-    """A save is due once checkpoint.interval_minutes have passed since the last one: here
-    after every step (interval 0.06 ms)."""
-    result = run(tmp_path, "minutes", *PP2, "checkpoint.interval_steps=null", "checkpoint.interval_minutes=0.000001",
-                 "checkpoint.keep_last=10")
-    assert result.returncode == 0, result.stderr[-3000:]
-    assert saved_steps(result) == [1, 2, 3, 4, 5, 6]
 
 
 def test_interval_by_the_planners_rule(tmp_path):

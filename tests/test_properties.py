@@ -96,13 +96,13 @@ def _judge(overrides):
     assert set(render(cfg, layout)) == {"config.yaml", "deepspeed.json", "megatron.yaml", "megatron_args.txt", "launch.sh"}
 
 
-@settings(max_examples=120)
+@settings(max_examples=60)
 @given(ANY_OVERRIDES)
 def test_validator_raises_only_its_own_error_on_any_overrides(overrides):
     _judge(overrides)
 
 
-@settings(max_examples=120)
+@settings(max_examples=60)
 @given(plausible_overrides())
 def test_whatever_validator_accepts_upstream_accepts(overrides):
     _judge(overrides)
