@@ -33,8 +33,8 @@ def measure(script: str, overrides: list[str], tmp_path) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("zero", [0, 1, 2, 3])
+# bf16 adds the low-precision copies to each stage's fp32 partitioning: checked at both ends.
+@pytest.mark.parametrize("zero, dtype", [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (0, "bf16"), (3, "bf16")])
 def test_deepspeed_engine_holds_planned_model_states(compose, tmp_path, zero, dtype):
     overrides = ["backend=deepspeed", f"zero={zero}", f"precision={dtype}", *SMALL, *DS_BUCKETS]
     cfg = compose(*overrides)
@@ -46,8 +46,7 @@ def test_deepspeed_engine_holds_planned_model_states(compose, tmp_path, zero, dt
         assert rank["bytes"] == pytest.approx(expected, rel=TOLERANCE), (rank, planned)
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("zero", [0, 1])
+@pytest.mark.parametrize("zero, dtype", [(0, "fp32"), (1, "fp32"), (1, "bf16")])
 def test_megatron_ddp_and_distributed_optimizer_hold_planned_model_states(compose, tmp_path, zero, dtype):
     overrides = ["backend=megatron", f"zero={zero}", f"precision={dtype}", *SMALL]
     cfg = compose(*overrides)
