@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+
 import torch
 
 from toolkit.config.schema import Config
