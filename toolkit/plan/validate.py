@@ -114,6 +114,7 @@ _NON_NEGATIVE = (
     "precision.loss_scale", "precision.min_loss_scale", "precision.loss_scale_window",
     "precision.hysteresis", "recompute.num_layers", "cluster.gpu_memory_gb",
 )
+_POSITIVE = ("checkpoint.interval_minutes",)
 
 
 def _get(cfg: Config, path: str):
@@ -135,6 +136,10 @@ def _ranges(cfg: Config) -> Iterator[Violation]:
         value = _get(cfg, path)
         if value is not None and value < 0:
             yield _err("range", {path: value}, "must not be negative", f"set {path} >= 0")
+    for path in _POSITIVE:
+        value = _get(cfg, path)
+        if value is not None and value <= 0:
+            yield _err("range", {path: value}, "must be positive (null turns it off)", f"set {path} > 0, or null")
     if cfg.zero.stage not in (0, 1, 2, 3):
         yield _err("choice", {"zero.stage": cfg.zero.stage}, "ZeRO has stages 0-3", "use zero=0, 1, 2 or 3")
     bad_dropout = [p for p in ("model.hidden_dropout", "model.attention_dropout") if not 0 <= _get(cfg, p) < 1]
@@ -408,9 +413,6 @@ def _checkpoint(cfg: Config) -> Iterator[Violation]:
         yield _err("checkpoint_interval", {"checkpoint.auto_interval": True, "checkpoint.interval_steps": c.interval_steps},
                    "two save intervals given: the planner's rule picks the interval in steps",
                    "set checkpoint.interval_steps=null, or checkpoint.auto_interval=false")
-    if c.interval_minutes is not None and c.interval_minutes <= 0:
-        yield _err("range", {"checkpoint.interval_minutes": c.interval_minutes}, "a wall-time interval is positive",
-                   "set checkpoint.interval_minutes to e.g. 30, or null")
     if c.async_save and cfg.backend.name == "deepspeed":
         # DeepSpeed's background writers are Nebula (Azure only) and the decoupled FastPersist
         # engine (the async_io op: libaio and NVMe); neither is part of parakit's stack.

@@ -155,6 +155,13 @@ class Checkpointing:
                                      f"in {self.root} kept ({why})")
         return True
 
+    def end_step(self, step: int, loss: float, metrics) -> None:
+        """After the engine's step: the NaN check, the step's metrics, a save when one is due."""
+        skipped = self.skipped(step, loss, metrics)
+        grad_norm = None if skipped else self.engine.get_global_grad_norm()
+        metrics.step(step, loss, self.engine.get_lr()[0], None if grad_norm is None else float(grad_norm), skipped)
+        self.maybe_save(step, metrics)
+
     def maybe_save(self, step: int, metrics) -> None:
         if self.schedule.due(step):
             with self.watchdog.suspended():
@@ -199,11 +206,7 @@ def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
             run.watchdog.beat(step)
         total /= layout.grad_accum
         torch.distributed.all_reduce(total)
-        loss = total.item() / layout.dp
-        skipped = run.skipped(step, loss, metrics)
-        grad_norm = engine.get_global_grad_norm()
-        metrics.step(step, loss, engine.get_lr()[0], None if grad_norm is None or skipped else float(grad_norm), skipped)
-        run.maybe_save(step, metrics)
+        run.end_step(step, total.item() / layout.dp, metrics)
     losses = metrics.close(run_dir)
     end_process_group()
     return losses

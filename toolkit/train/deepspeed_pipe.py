@@ -119,10 +119,7 @@ def train_pipeline(cfg: Config, layout: Layout, run_dir: Path, deepspeed, ds_jso
             torch.distributed.all_reduce(total, group=engine.grid.get_data_parallel_group())
         total = total / layout.dp
         torch.distributed.broadcast(total, src=torch.distributed.get_world_size() - 1)  # the last stage's value
-        skipped = run.skipped(step, total.item(), metrics)
-        grad_norm = engine.get_global_grad_norm()
-        metrics.step(step, total.item(), engine.get_lr()[0], None if grad_norm is None or skipped else float(grad_norm), skipped)
-        run.maybe_save(step, metrics)
+        run.end_step(step, total.item(), metrics)
     losses = metrics.close(run_dir)
     end_process_group()
     return losses

@@ -204,6 +204,12 @@ def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
     async_queue = AsyncCallsQueue() if cfg.checkpoint.async_save else None
     forward_backward = get_forward_backward_func()
 
+    def finish_async_saves():
+        """Wait for the save in flight (it holds finite weights) and publish it."""
+        if async_queue is not None:
+            with watchdog.suspended():
+                async_queue.close()
+
     def forward_step(data_iterator, model_chunk):
         watchdog.beat(step)
         return _forward_step(data_iterator, model_chunk)
@@ -226,8 +232,7 @@ def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
         loss = total.item() / (layout.dp * layout.cp)
         if not math.isfinite(loss):
             if fault.nan_action == "stop":
-                if async_queue is not None:
-                    async_queue.close()  # the save in flight holds finite weights: publish it
+                finish_async_saves()
                 metrics.close(run_dir, complete=False)
                 raise FloatingPointError(f"non-finite loss {loss} at step {step}; stopping with the last good checkpoint "
                                          f"in {checkpoints} kept (train.fault.nan_action=skip skips such steps)")
@@ -245,9 +250,7 @@ def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
                 blocked = save_checkpoint(checkpoints, step, chunks, optimizer, scheduler, layout, cfg.checkpoint.keep_last,
                                           fault, async_queue)
                 schedule.saved(step, blocked, metrics.history[-1]["step_time_s"])
-    with watchdog.suspended():
-        if async_queue is not None:
-            async_queue.close()  # waits for the last save and publishes it
+    finish_async_saves()
     losses = metrics.close(run_dir)
     parallel_state.destroy_model_parallel()
     end_process_group()

@@ -105,7 +105,7 @@ class Metrics:
         self._tb.close()
         if not complete:
             return losses
-        summary = {"steps": len(self.history), "losses": [r["loss"] for r in self.history],
+        summary = {"steps": len(self.history), "losses": losses,
                    "final_loss": self.history[-1]["loss"] if self.history else None,
                    "mean_tokens_per_s": sum(r["tokens_per_s"] for r in self.history[1:]) / max(1, len(self.history) - 1)}
         tmp = run_dir / ".result.json.tmp"
