@@ -1,6 +1,6 @@
 """Long runs that finish (deepspeed backend, CPU): exact resume, restart after a killed rank,
-NaN losses (stop, or skip through DeepSpeed's overflow check), and save intervals by wall time
-and by the planner's rule."""
+NaN losses (stop, or skip through DeepSpeed's overflow check), and the save interval by the
+planner's rule."""
 import pytest
 
 import training_runs

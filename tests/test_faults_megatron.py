@@ -1,6 +1,7 @@
 """Long runs that finish (megatron backend, CPU): exact resume, resume into another layout,
 restart after a killed rank, corrupt and half-written checkpoints, a stalled rank, NaN losses,
-asynchronous saves, and save intervals by wall time and by the planner's rule."""
+asynchronous saves, and the save interval by the planner's rule (the schedule itself:
+tests/test_save_schedule.py)."""
 import shutil
 
 import pytest
@@ -85,7 +86,9 @@ def test_nan_loss_stops_with_the_last_good_checkpoint_or_skips_the_step(tmp_path
     assert not (stopped.run_dir / "result.json").exists()
     assert ckpt.find_resumable(stopped.run_dir / "checkpoints").name == "step_00000002"
     skipped = run(tmp_path, "skip", *PP2, "train.fault.nan_at_step=3", "train.fault.nan_action=skip")
-    assert [r["skipped"] for r in records(skipped)] == [False, False, True, False, False, False]
+    steps = records(skipped)
+    assert [r["skipped"] for r in steps] == [False, False, True, False, False, False]
+    assert steps[2]["lr"] == steps[1]["lr"] and steps[3]["lr"] != steps[2]["lr"]  # the schedule waited a step
     assert all(l == l for l in losses(skipped)[3:])  # finite again after the skipped step
 
 

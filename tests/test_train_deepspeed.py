@@ -2,26 +2,19 @@
 ZeRO-0's losses (fp32, 2 CPU ranks; ZeRO-3 with activation checkpointing), the 2-stage pipeline
 reproduces the single process, the megatron and deepspeed backends agree on the first
 loss from the same (converted) weights, and ZeRO-3 trains on the real corpus."""
-import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
+from training_runs import train
+
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_processes_left_behind")]
 
 COMMON = ["model=tiny", "backend=deepspeed", "data=synthetic", "precision=fp32", "train.steps=4", "train.global_batch=8",
           "train.micro_batch=2", "optim.lr=1e-3", "optim.warmup_steps=1"]
 SCRIPTS = Path(__file__).parents[1] / "scripts"
-
-
-def train(tmp_path, name: str, *overrides: str) -> list[float]:
-    run_dir = tmp_path / name
-    result = subprocess.run([sys.executable, "-m", "toolkit.cli", "train", *overrides, f"hydra.run.dir={run_dir}"],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=900)
-    assert (run_dir / "result.json").exists(), result.stdout[-2000:] + result.stderr[-4000:]
-    return json.loads((run_dir / "result.json").read_text())["losses"]
 
 
 @pytest.fixture(scope="module")

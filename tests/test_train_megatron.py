@@ -2,11 +2,12 @@
 single-process loss curve (fp32, dropout off, identical initial weights loaded resharded from one
 dist checkpoint), recompute changes no loss, gradient accumulation equals the larger batch, bf16
 and the README demo train on the real corpus, and a wrong layout never starts a process."""
-import json
 import subprocess
 import sys
 
 import pytest
+
+from training_runs import train
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_processes_left_behind")]
 
@@ -16,14 +17,6 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_processes_left_behin
 COMMON = ["model=tiny", "model.vocab_size=50688", "data=synthetic", "precision=fp32", "zero=1", "train.steps=4",
           "train.global_batch=8", "train.micro_batch=1", "optim.lr=1e-3", "optim.warmup_steps=1"]
 TOLERANCE = 1e-5
-
-
-def train(tmp_path, name: str, *overrides: str) -> list[float]:
-    run_dir = tmp_path / name
-    result = subprocess.run([sys.executable, "-m", "toolkit.cli", "train", *overrides, f"hydra.run.dir={run_dir}"],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=900)
-    assert result.returncode == 0 and (run_dir / "result.json").exists(), result.stdout[-2000:] + result.stderr[-4000:]
-    return json.loads((run_dir / "result.json").read_text())["losses"]
 
 
 @pytest.fixture(scope="module")

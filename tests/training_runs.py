@@ -24,6 +24,13 @@ def run(tmp_path, name, *overrides, timeout=600):
     return result
 
 
+def train(tmp_path, name, *overrides, timeout=900) -> list[float]:
+    """A run that must complete: its loss curve."""
+    result = run(tmp_path, name, *overrides, timeout=timeout)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return losses(result)
+
+
 def losses(result) -> list[float]:
     assert (result.run_dir / "result.json").exists(), result.stdout[-2000:] + result.stderr[-4000:]
     return json.loads((result.run_dir / "result.json").read_text())["losses"]
