@@ -3,6 +3,10 @@
 Keys and their meaning: https://www.deepspeed.ai/docs/config-json/ (DeepSpeed 0.19). Batch
 fields come from the resolved layout, so DeepSpeed's identity
 train_batch_size = micro * gradient_accumulation_steps * dp holds by construction.
+
+No "scheduler" section: none of DeepSpeed's schedulers can express the schedule megatron-core
+runs for the same config (toolkit.plan.lr_schedule says why), so the trainer hands DeepSpeed that
+schedule as a client scheduler (deepspeed.initialize(lr_scheduler=...)).
 """
 from __future__ import annotations
 
@@ -58,21 +62,6 @@ def _precision_section(cfg: Config) -> dict:
     return {}
 
 
-def _scheduler_section(cfg: Config, layout: Layout) -> dict:
-    o = cfg.optim
-    total = max(layout.decay_steps, layout.warmup_steps + 1)
-    if o.decay_style == "cosine":
-        return {"type": "WarmupCosineLR", "params": {
-            "total_num_steps": total, "warmup_num_steps": layout.warmup_steps, "warmup_type": "linear",
-            "warmup_min_ratio": 0.0, "cos_min_ratio": layout.min_lr / layout.lr if layout.lr else 0.0}}
-    if o.decay_style == "linear":
-        return {"type": "WarmupDecayLR", "params": {
-            "total_num_steps": total, "warmup_num_steps": layout.warmup_steps, "warmup_type": "linear",
-            "warmup_min_lr": 0.0, "warmup_max_lr": layout.lr}}
-    return {"type": "WarmupLR", "params": {
-        "warmup_num_steps": layout.warmup_steps, "warmup_type": "linear", "warmup_min_lr": 0.0, "warmup_max_lr": layout.lr}}
-
-
 def deepspeed_config(cfg: Config, layout: Layout) -> dict:
     o = cfg.optim
     ds: dict = {
@@ -88,7 +77,6 @@ def deepspeed_config(cfg: Config, layout: Layout) -> dict:
             "lr": layout.lr, "betas": [o.beta1, o.beta2], "eps": o.eps, "weight_decay": o.weight_decay,
             # FusedAdam is a CUDA kernel; on CPU use torch.optim.AdamW (no JIT compile).
             "torch_adam": cfg.cluster.device == "cpu"}},
-        "scheduler": _scheduler_section(cfg, layout),
     }
     if cfg.recompute.granularity == "full":
         ds["activation_checkpointing"] = {

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from toolkit.config.schema import Config
 from toolkit.plan.layout import Layout
+from toolkit.plan.lr_schedule import lr_schedule
 
 # Names as torch spells them, so the YAML stays plain text.
 _DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}
@@ -116,14 +117,16 @@ def _ddp(cfg: Config) -> dict:
 
 
 def _scheduler(cfg: Config, layout: Layout) -> dict:
-    """Arguments of megatron.core.optimizer_param_scheduler.OptimizerParamScheduler."""
+    """Arguments of megatron.core.optimizer_param_scheduler.OptimizerParamScheduler: the schedule of
+    toolkit.plan.lr_schedule, which the deepspeed backend steps itself."""
+    schedule = lr_schedule(cfg, layout)
     return {
         "init_lr": 0.0,
-        "max_lr": layout.lr,
-        "min_lr": layout.min_lr,
-        "lr_warmup_steps": layout.warmup_steps,
-        "lr_decay_steps": max(layout.decay_steps, layout.warmup_steps + 1),
-        "lr_decay_style": cfg.optim.decay_style,
+        "max_lr": schedule.max_lr,
+        "min_lr": schedule.min_lr,
+        "lr_warmup_steps": schedule.warmup_steps,
+        "lr_decay_steps": schedule.decay_steps,
+        "lr_decay_style": schedule.style,
         "start_wd": cfg.optim.weight_decay,
         "end_wd": cfg.optim.weight_decay,
         "wd_incr_steps": layout.steps,

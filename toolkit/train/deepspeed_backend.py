@@ -12,6 +12,7 @@ import importlib
 import math
 import os
 import random
+from functools import partial
 from pathlib import Path
 
 import numpy as np
@@ -21,6 +22,7 @@ import torch.nn.functional as F
 from toolkit.config.schema import Config
 from toolkit.emit.deepspeed import deepspeed_config
 from toolkit.plan.layout import Layout
+from toolkit.plan.lr_schedule import LRSchedule, lr_schedule
 from toolkit.train.data import micro_batches, train_dataset
 from toolkit.train.distributed import end_process_group
 from toolkit.train.faults import first_attempt, inject_step_faults
@@ -109,6 +111,40 @@ class _NoGather:
         return False
 
 
+class ScheduledLR(torch.optim.lr_scheduler.LRScheduler):
+    """The run's learning-rate schedule (toolkit.plan.lr_schedule, megatron-core's) as the client
+    scheduler DeepSpeed steps after every applied update; the first value is set here, before the
+    first update, as megatron-core's scheduler does."""
+
+    def __init__(self, optimizer, schedule: LRSchedule):
+        self.schedule = schedule
+        super().__init__(optimizer)
+
+    def get_lr(self) -> list[float]:
+        return [self.schedule.lr(self.last_epoch) for _ in self.optimizer.param_groups]
+
+
+def optimizer_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]:
+    """Trainable parameters in megatron-core's weight-decay groups: none on biases and 1-D
+    parameters (norms), `weight_decay` on the rest (get_standard_config_overrides). Under ZeRO-3
+    a parameter's own shape is its partition's: ds_shape is the real one."""
+    decay, no_decay = [], []
+    for name, param in module.named_parameters():
+        if param.requires_grad:
+            one_dim = len(getattr(param, "ds_shape", param.shape)) == 1
+            (no_decay if one_dim or name.endswith(".bias") else decay).append(param)
+    return [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+
+
+def initialize_engine(deepspeed, module: torch.nn.Module, cfg: Config, layout: Layout, ds_json: dict):
+    """deepspeed.initialize with the emitted JSON, megatron-core's weight-decay groups and the run's
+    learning-rate schedule."""
+    engine, _, _, _ = deepspeed.initialize(
+        model=module, model_parameters=optimizer_groups(module, cfg.optim.weight_decay), config=ds_json,
+        lr_scheduler=partial(ScheduledLR, schedule=lr_schedule(cfg, layout)))
+    return engine
+
+
 def token_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
     """Mean cross entropy over the masked tokens; labels are already the next tokens (the same
     loss megatron-core's GPTModel computes, no shift)."""
@@ -187,8 +223,7 @@ def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
 
         return train_pipeline(cfg, layout, run_dir, deepspeed, ds_json)
     model = build_hf_model(cfg, ds_json, deepspeed)
-    engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=[p for p in model.parameters() if p.requires_grad],
-                                           config=ds_json)
+    engine = initialize_engine(deepspeed, model, cfg, layout, ds_json)
     run = Checkpointing(cfg, layout, run_dir, engine)
     batches = micro_batches(train_dataset(cfg, layout), layout, dp_rank=rank, start_step=run.start)
     device = engine.device

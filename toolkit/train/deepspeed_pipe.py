@@ -100,9 +100,9 @@ def train_pipeline(cfg: Config, layout: Layout, run_dir: Path, deepspeed, ds_jso
         activation_checkpoint_interval=cfg.recompute.num_layers if cfg.recompute.granularity == "full" else 0,
         activation_checkpoint_func=checkpoint)
     del model
-    engine, _, _, _ = deepspeed.initialize(model=pipe, model_parameters=[p for p in pipe.parameters() if p.requires_grad],
-                                           config=ds_json)
-    from toolkit.train.deepspeed_backend import Checkpointing
+    from toolkit.train.deepspeed_backend import Checkpointing, initialize_engine
+
+    engine = initialize_engine(deepspeed, pipe, cfg, layout, ds_json)
     from toolkit.train.faults import inject_step_faults
 
     run = Checkpointing(cfg, layout, run_dir, engine)
