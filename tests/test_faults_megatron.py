@@ -1,66 +1,119 @@
-"""Long runs that finish (megatron backend, CPU): exact resume, resume into another layout,
-restart after a killed rank, corrupt and half-written checkpoints, a stalled rank, NaN losses,
-asynchronous saves, and the save interval by the planner's rule (the schedule itself:
-tests/test_save_schedule.py)."""
+"""Long runs that finish (megatron backend, CPU): exact resume with the random state (dropout on),
+resume into another layout, restart after a killed rank, corrupt and half-written checkpoints, a
+stalled rank, NaN losses before the backward pass, asynchronous saves, and the save interval by
+the planner's rule (the schedule itself: tests/test_save_schedule.py). Which checkpoint a run
+resumed from is read from its result.json. Mutations: a resume that drops the scheduler's state,
+and one that gives up at a corrupt checkpoint and starts from scratch, are caught."""
 import shutil
 
 import pytest
 
 import training_runs
 from toolkit.train import checkpoint as ckpt
-from training_runs import AUTO_INTERVAL, check_planned_interval, losses, records
+from training_runs import AUTO_INTERVAL, Tolerance, Trained, assert_same_training, check_planned_interval, losses, records
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_processes_left_behind")]
 
 COMMON = ["model=tiny", "model.vocab_size=50688", "data=synthetic", "precision=fp32", "zero=1", "train.steps=6",
-          "train.global_batch=8", "train.micro_batch=1", "optim.lr=1e-3", "optim.warmup_steps=1", "checkpoint.interval_steps=2",
+          "train.global_batch=8", "train.micro_batch=1", "optim.lr=1e-3", "optim.warmup_steps=0", "checkpoint.interval_steps=2",
           "train.fault.watchdog_timeout_s=120"]  # a rank that hangs ends the job instead of the test
 TP2_PP2_VPP2 = ["cluster.gpus_per_node=4", "parallel.tp=2", "parallel.pp=2", "parallel.vpp=2"]
 PP2 = ["cluster.gpus_per_node=2", "parallel.pp=2"]
+# Ten steps with dropout: a resume that restores the weights but not the random state, the data
+# position or the schedule shows in the steps after it.
+LONG_WITH_DROPOUT = [*TP2_PP2_VPP2, "train.steps=10", "model.hidden_dropout=0.1", "model.attention_dropout=0.1"]
+EXACT = Tolerance(loss=0.0, grad_norm=0.0, parameters=0.0)  # a resume at the same layout is bit for bit
+ANOTHER_LAYOUT = Tolerance(loss=1e-6, grad_norm=1e-4, parameters=1e-6)  # as the layout parity tests
 
 
-def run(tmp_path, name, *overrides, timeout=600):
-    return training_runs.run(tmp_path, name, *COMMON, *overrides, timeout=timeout)
+def run(tmp_path, name, *overrides, timeout=600, mutation=None):
+    return training_runs.run(tmp_path, name, *COMMON, *overrides, timeout=timeout, mutation=mutation)
+
+
+def resumed(tmp_path, stopped_dir, *overrides, mutation=None) -> Trained:
+    """Start a stopped run again (a copy of its directory, so that each test resumes the same one)."""
+    shutil.copytree(stopped_dir, tmp_path / "run")
+    result = run(tmp_path, "run", *overrides, mutation=mutation)
+    assert result.returncode == 0, result.stderr[-3000:]
+    return Trained(result.run_dir)
 
 
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("uninterrupted")
-    return {"tp2_pp2_vpp2": losses(run(tmp, "a", *TP2_PP2_VPP2)), "pp2": losses(run(tmp, "b", *PP2))}
+    return {"long": training_runs.Trained(run(tmp, "long", *LONG_WITH_DROPOUT).run_dir),
+            "pp2": training_runs.Trained(run(tmp, "pp2", *PP2).run_dir)}
 
 
-def test_stopped_run_resumes_exactly_and_into_another_layout(tmp_path, uninterrupted):
-    """Rank 3 dies at the start of step 5 of a tp2 pp2 vpp2 run. Started again it resumes from
-    step 4 bit for bit; a pp2 dp2 run pointed at the same checkpoints (dist_checkpointing
-    resharding, distributed optimizer included) continues within 1e-6."""
-    stopped = run(tmp_path, "run", *TP2_PP2_VPP2, "train.fault.kill_rank=3", "train.fault.kill_at_step=5")
+@pytest.fixture(scope="module")
+def killed_at_step_3(tmp_path_factory):
+    """tp2 pp2 vpp2 with dropout: rank 3 dies at the start of step 3 of 10 (the last checkpoint: step 2)."""
+    stopped = run(tmp_path_factory.mktemp("killed"), "run", *LONG_WITH_DROPOUT, "train.fault.kill_rank=3",
+                  "train.fault.kill_at_step=3")
     assert stopped.returncode != 0 and not (stopped.run_dir / "result.json").exists()
+    return stopped.run_dir
+
+
+def test_stopped_run_resumes_exactly_with_its_random_state(tmp_path, uninterrupted, killed_at_step_3):
+    again = resumed(tmp_path, killed_at_step_3, *LONG_WITH_DROPOUT)
+    assert again.result["resumed_from"].endswith("step_00000002") and again.result["resumed_step"] == 2
+    assert_same_training(uninterrupted["long"], again, EXACT)  # steps 1-2 from before the kill, 3-10 resumed
+
+
+@pytest.mark.mutation
+def test_resume_catches_a_dropped_scheduler_state(tmp_path, uninterrupted, killed_at_step_3):
+    again = resumed(tmp_path, killed_at_step_3, *LONG_WITH_DROPOUT, mutation="scheduler_state_dropped")
+    with pytest.raises(AssertionError, match="lr"):
+        assert_same_training(uninterrupted["long"], again, EXACT)
+
+
+def test_resume_into_another_layout(tmp_path, uninterrupted):
+    """The pp2 run's step-2 checkpoint, resumed as tp2 pp2 vpp2 (dist_checkpointing reshards
+    model and distributed optimizer): steps 3-6 and the final parameters as in the pp2 run."""
     checkpoints = tmp_path / "checkpoints"
-    shutil.copytree(stopped.run_dir / "checkpoints", checkpoints)
-    resumed = run(tmp_path, "run", *TP2_PP2_VPP2)
-    assert "resumed from" in resumed.stdout and "step_00000004" in resumed.stdout
-    assert losses(resumed) == uninterrupted["tp2_pp2_vpp2"]  # bit for bit
-    moved = run(tmp_path, "pp2_dp2", "cluster.gpus_per_node=4", "parallel.pp=2", f"checkpoint.dir={checkpoints}")
-    assert "resumed from" in moved.stdout
-    # a new run directory: its curve starts after the checkpoint (steps 5 and 6)
-    assert losses(moved) == pytest.approx(uninterrupted["tp2_pp2_vpp2"][4:], abs=1e-6)
+    shutil.copytree(uninterrupted["pp2"].checkpoints / "step_00000002", checkpoints / "step_00000002")
+    (checkpoints / ckpt.LATEST).write_text("step_00000002\n")
+    moved = run(tmp_path, "moved", *TP2_PP2_VPP2, f"checkpoint.dir={checkpoints}")
+    assert moved.returncode == 0, moved.stderr[-3000:]
+    moved = Trained(moved.run_dir)
+    assert moved.result["resumed_step"] == 2  # a new run directory: its records start after the checkpoint
+    assert_same_training(uninterrupted["pp2"].after(2), moved, ANOTHER_LAYOUT)
 
 
-def test_killed_rank_restarts_and_ends_with_the_uninterrupted_loss(tmp_path, uninterrupted):
-    result = run(tmp_path, "restart", *PP2, "train.fault.kill_rank=1", "train.fault.kill_at_step=5", "train.fault.max_restarts=1")
+def test_killed_rank_restarts_and_resumes_exactly(tmp_path, uninterrupted):
+    result = run(tmp_path, "restart", *PP2, "train.fault.kill_rank=1", "train.fault.kill_at_step=3", "train.fault.max_restarts=1")
     assert result.returncode == 0, result.stderr[-3000:]
-    assert "killing rank 1" in result.stderr and "resumed from" in result.stdout and "step_00000004" in result.stdout
-    assert losses(result) == uninterrupted["pp2"]  # the restarted ranks resume bit for bit
+    restarted = Trained(result.run_dir)
+    assert restarted.result["restarts"] == 1 and restarted.result["resumed_from"].endswith("step_00000002")
+    assert_same_training(uninterrupted["pp2"], restarted, EXACT)
 
 
-def test_corrupt_newest_checkpoint_is_detected_and_the_previous_one_used(tmp_path, uninterrupted):
-    first = run(tmp_path, "run", *PP2, "train.fault.corrupt_checkpoint_at_step=4", "train.fault.kill_rank=0",
-                "train.fault.kill_at_step=5")
-    assert first.returncode != 0
-    resumed = run(tmp_path, "run", *PP2)
-    assert "step_00000004 is not usable" in resumed.stderr and "fails its checksum" in resumed.stderr
-    assert "step_00000002" in resumed.stdout
-    assert losses(resumed) == uninterrupted["pp2"]
+@pytest.fixture(scope="module")
+def corrupt_newest(tmp_path_factory):
+    """A pp2 run whose step-4 checkpoint is damaged after publishing; rank 0 dies at step 5."""
+    stopped = run(tmp_path_factory.mktemp("corrupt"), "run", *PP2, "train.fault.corrupt_checkpoint_at_step=4",
+                  "train.fault.kill_rank=0", "train.fault.kill_at_step=5")
+    assert stopped.returncode != 0
+    return stopped.run_dir
+
+
+def assert_resumed_before_the_corrupt_checkpoint(run: Trained) -> None:
+    assert run.result["resumed_from"] is not None and run.result["resumed_from"].endswith("step_00000002"), run.result
+    (unusable,) = run.result["unusable_checkpoints"]
+    assert unusable["checkpoint"] == "step_00000004" and "fails its checksum" in unusable["problem"]
+
+
+def test_corrupt_newest_checkpoint_is_detected_and_the_previous_one_used(tmp_path, uninterrupted, corrupt_newest):
+    again = resumed(tmp_path, corrupt_newest, *PP2)
+    assert_resumed_before_the_corrupt_checkpoint(again)
+    assert_same_training(uninterrupted["pp2"], again, EXACT)
+
+
+@pytest.mark.mutation
+def test_corrupt_checkpoint_check_catches_a_resume_that_gives_up(tmp_path, corrupt_newest):
+    again = resumed(tmp_path, corrupt_newest, *PP2, mutation="resume_gives_up")
+    with pytest.raises(AssertionError):
+        assert_resumed_before_the_corrupt_checkpoint(again)
 
 
 def test_crash_during_save_leaves_no_checkpoint_marked_good(tmp_path):
@@ -81,15 +134,18 @@ def test_stalled_rank_is_detected_and_named_within_the_timeout(tmp_path):
 
 
 def test_nan_loss_stops_with_the_last_good_checkpoint_or_skips_the_step(tmp_path):
+    """The NaN enters the loss before the backward pass (the gradients are NaN too, as the
+    message says); stop keeps the step-2 checkpoint, skip drops the update and goes on."""
     stopped = run(tmp_path, "stop", *PP2, "train.fault.nan_at_step=3")
-    assert stopped.returncode != 0 and "non-finite loss nan at step 3" in stopped.stderr
+    assert stopped.returncode != 0 and "non-finite loss nan and gradients at step 3" in stopped.stderr
     assert not (stopped.run_dir / "result.json").exists()
     assert ckpt.find_resumable(stopped.run_dir / "checkpoints").name == "step_00000002"
     skipped = run(tmp_path, "skip", *PP2, "train.fault.nan_at_step=3", "train.fault.nan_action=skip")
+    assert "non-finite loss nan and gradients at step 3: update skipped" in skipped.stdout
     steps = records(skipped)
     assert [r["skipped"] for r in steps] == [False, False, True, False, False, False]
     assert steps[2]["lr"] == steps[1]["lr"] and steps[3]["lr"] != steps[2]["lr"]  # the schedule waited a step
-    assert all(l == l for l in losses(skipped)[3:])  # finite again after the skipped step
+    assert all(l == l for l in losses(skipped)[3:])  # finite again: no NaN reached the weights
 
 
 def test_async_save_resumes_like_the_uninterrupted_run(tmp_path, uninterrupted):
@@ -99,9 +155,11 @@ def test_async_save_resumes_like_the_uninterrupted_run(tmp_path, uninterrupted):
     assert stopped.returncode != 0
     root = stopped.run_dir / "checkpoints"
     assert ckpt.find_resumable(root) == root / "step_00000002" and not (root / "step_00000004").exists()
-    resumed = run(tmp_path, "run", *PP2, "checkpoint.async_save=true")
-    assert "resumed from" in resumed.stdout and "step_00000002" in resumed.stdout
-    assert losses(resumed) == uninterrupted["pp2"]
+    again = run(tmp_path, "run", *PP2, "checkpoint.async_save=true")
+    assert again.returncode == 0, again.stderr[-3000:]
+    again = Trained(again.run_dir)
+    assert again.result["resumed_from"].endswith("step_00000002")
+    assert_same_training(uninterrupted["pp2"], again, EXACT)
     assert sorted(p.name for p in root.glob("step_*")) == ["step_00000002", "step_00000004", "step_00000006"]
     assert all(ckpt.verify(p) is None for p in root.glob("step_*"))
 

@@ -1,22 +1,37 @@
-"""Helpers of the multi-process training tests: run `parakit train` in a subprocess and read
-what the run left behind."""
+"""Helpers of the multi-process training tests: run `parakit train` in a subprocess, read what the
+run left behind (metrics, result.json, the final parameters gathered to full tensors from its
+checkpoint), and compare two runs."""
+import copy
 import json
+import math
 import os
 import re
 import subprocess
 import sys
+import tempfile
 import time
+from dataclasses import dataclass
+from functools import cached_property
+from pathlib import Path
+
+import torch
 
 from toolkit.config.store import compose_config
 from toolkit.plan.checkpoint import checkpoint_plan
 from toolkit.plan.layout import resolve
 
 
-def run(tmp_path, name, *overrides, timeout=600):
-    """`parakit train OVERRIDES` in tmp_path/name; the result carries .seconds and .run_dir."""
+MUTANTS = Path(__file__).parent / "mutants"
+
+
+def run(tmp_path, name, *overrides, timeout=600, mutation=None):
+    """`parakit train OVERRIDES` in tmp_path/name; the result carries .seconds and .run_dir.
+    `mutation` injects one of the test-only defects of tests/mutants/sitecustomize.py."""
     run_dir = tmp_path / name
     started = time.monotonic()
     env = {**os.environ, "PARAKIT_DIST_TIMEOUT_S": "180"}
+    if mutation:
+        env.update(PARAKIT_MUTATION=mutation, PYTHONPATH=os.pathsep.join(filter(None, [str(MUTANTS), env.get("PYTHONPATH")])))
     result = subprocess.run([sys.executable, "-m", "toolkit.cli", "train", *overrides, f"hydra.run.dir={run_dir}"],
                             cwd=tmp_path, capture_output=True, text=True, timeout=timeout, env=env)
     result.seconds = time.monotonic() - started
@@ -29,6 +44,13 @@ def train(tmp_path, name, *overrides, timeout=900) -> list[float]:
     result = run(tmp_path, name, *overrides, timeout=timeout)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
     return losses(result)
+
+
+def trained(tmp_path, name, *overrides, timeout=900, mutation=None) -> "Trained":
+    """A run that must complete, for comparisons: its records and final parameters."""
+    result = run(tmp_path, name, *overrides, timeout=timeout, mutation=mutation)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-4000:]
+    return Trained(result.run_dir)
 
 
 def losses(result) -> list[float]:
@@ -62,3 +84,123 @@ def check_planned_interval(result, *overrides) -> None:
 # every few steps.
 AUTO_INTERVAL = ["checkpoint.interval_steps=null", "checkpoint.auto_interval=true", "checkpoint.keep_last=10",
                  "train.steps=8", "checkpoint.acceptable_rework_minutes=0.025"]
+
+
+class Trained:
+    """What a finished run left behind: its step records, result.json and final parameters."""
+
+    def __init__(self, run_dir: Path):
+        self.run_dir = run_dir
+        self.records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        self.result = json.loads((run_dir / "result.json").read_text())
+
+    @property
+    def checkpoints(self) -> Path:
+        import yaml
+
+        configured = yaml.safe_load((self.run_dir / "config.yaml").read_text())["checkpoint"]["dir"]
+        return Path(configured) if configured else self.run_dir / "checkpoints"
+
+    @cached_property
+    def parameters(self) -> dict:
+        return checkpoint_parameters(self.checkpoints / (self.checkpoints / "latest").read_text().strip())
+
+    def after(self, step: int) -> "Trained":
+        """The same run, its records after `step` only (to compare with a run resumed there)."""
+        later = copy.copy(self)
+        later.records = [r for r in self.records if r["step"] > step]
+        return later
+
+
+def checkpoint_parameters(directory: Path) -> dict:
+    """The model's parameters in a published checkpoint of either backend, gathered into full
+    tensors by the libraries' own readers: torch.distributed.checkpoint for megatron-core's
+    dist checkpoints (layout-free keys, layers stacked), DeepSpeed's zero_to_fp32 for ZeRO 1-3,
+    the module states for ZeRO-0 and the pipeline's per-layer files (renamed to transformers')."""
+    if (directory / "model_optim").exists():
+        return dist_checkpoint_parameters(directory / "model_optim")
+    state = directory / "state"
+    layers = sorted(state.glob("layer_*-model_states.pt"))
+    if layers:
+        return _pipeline_parameters(layers)
+    if list(state.glob("zero_pp_rank_*_optim_states.pt")):
+        from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+        return dict(get_fp32_state_dict_from_zero_checkpoint(str(directory), tag="state"))
+    return torch.load(state / "mp_rank_00_model_states.pt", weights_only=False)["module"]
+
+
+def dist_checkpoint_parameters(directory: Path) -> dict:
+    """Model tensors of a megatron-core dist checkpoint (optimizer states and extra states left out)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(str(directory), f"{tmp}/full.pt")
+        full = torch.load(f"{tmp}/full.pt", weights_only=False)
+    return {k: v for k, v in full.items() if isinstance(v, torch.Tensor) and not k.startswith("optimizer.")}
+
+
+def _pipeline_parameters(layer_files: list) -> dict:
+    """DeepSpeed pipeline layers (toolkit.train.deepspeed_pipe, Llama-style) -> transformers names."""
+    last = len(layer_files) - 1
+    names = {0: {"tokens.weight": "model.embed_tokens.weight"}, last: {"norm.weight": "model.norm.weight", "head.weight": "lm_head.weight"}}
+    out = {}
+    for index, path in enumerate(layer_files):
+        for key, tensor in torch.load(path, weights_only=False).items():
+            out[names[index][key] if index in names else f"model.layers.{index - 1}.{key.removeprefix('layer.')}"] = tensor
+    return out
+
+
+def unmoved_parameters(before: dict, after: dict) -> list[str]:
+    """Parameters (each layer of megatron-core's stacked layer tensors on its own) that did not change."""
+    unmoved = []
+    for name, tensor in after.items():
+        slices = enumerate(zip(before[name], tensor)) if name.startswith("decoder.layers.") else [(None, (before[name], tensor))]
+        unmoved += [f"{name}[{i}]" if i is not None else name for i, (a, b) in slices if torch.equal(a, b)]
+    return unmoved
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How close two runs of one training must be (each test states why)."""
+
+    loss: float  # absolute, at every step
+    grad_norm: float  # relative, at every step
+    parameters: float  # root mean square of the difference, per final parameter tensor
+
+
+def assert_same_training(reference: Trained, got: Trained, tolerance: Tolerance, grad_norm: bool = True) -> None:
+    """The same steps with the same learning rate (exactly), every step's loss and gradient norm
+    within tolerance, and every final parameter. `grad_norm=False` for a run whose engine reports
+    none (DeepSpeed ZeRO-0). Max-abs is no measure for the parameters: Adam divides by
+    sqrt(v) + eps, so the few elements whose gradient is near eps turn rounding differences of
+    1e-12 into 1e-5 (measured: 20 of 3.2M embedding elements), while the rest agree to 1e-8."""
+    assert [r["step"] for r in got.records] == [r["step"] for r in reference.records]
+    for ref, rec in zip(reference.records, got.records):
+        assert math.isclose(rec["loss"], ref["loss"], rel_tol=0, abs_tol=tolerance.loss), (rec["step"], "loss", rec["loss"], ref["loss"])
+        assert rec["lr"] == ref["lr"], (rec["step"], "lr", rec["lr"], ref["lr"])
+        if grad_norm:
+            assert ref["grad_norm"] is not None and rec["grad_norm"] is not None, (rec["step"], "no grad norm")
+            assert math.isclose(rec["grad_norm"], ref["grad_norm"], rel_tol=tolerance.grad_norm), \
+                (rec["step"], "grad norm", rec["grad_norm"], ref["grad_norm"])
+    assert_same_parameters(reference.parameters, got.parameters, tolerance.parameters)
+
+
+def parameter_differences(reference: dict, got: dict) -> dict:
+    """Root mean square of the difference, per tensor."""
+    assert sorted(got) == sorted(reference)
+    return {name: (got[name].float() - tensor.float()).pow(2).mean().sqrt().item() for name, tensor in reference.items()}
+
+
+def assert_same_parameters(reference: dict, got: dict, tolerance: float) -> None:
+    off = {name: rms for name, rms in parameter_differences(reference, got).items() if not rms <= tolerance}
+    assert not off, f"final parameters differ (RMS) by more than {tolerance}: {off}"
+
+
+def largest_differences(reference: Trained, got: Trained) -> dict:
+    """The largest loss, relative grad-norm and parameter (RMS) differences, to state tolerances from."""
+    steps = list(zip(reference.records, got.records))
+    return {"loss": max(abs(a["loss"] - b["loss"]) for a, b in steps),
+            "grad_norm": max((abs(a["grad_norm"] - b["grad_norm"]) / a["grad_norm"] for a, b in steps
+                              if a["grad_norm"] and b["grad_norm"]), default=None),
+            "parameters": max(parameter_differences(reference.parameters, got.parameters).values())}

@@ -13,11 +13,25 @@ import hashlib
 import json
 import os
 import shutil
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
+
+
+@dataclass
+class Resume:
+    """Where a run starts: step 0, or the checkpoint it resumed from; and the newer checkpoints
+    that failed verification on the way (result.json records all of it)."""
+
+    step: int = 0
+    checkpoint: str | None = None
+    unusable: list[dict] = field(default_factory=list)
+
+    def record(self) -> dict:
+        return {"resumed_from": self.checkpoint, "resumed_step": self.step, "unusable_checkpoints": self.unusable}
 
 
 def step_name(step: int) -> str:
@@ -91,8 +105,9 @@ def verify(directory: Path) -> str | None:
     return None
 
 
-def find_resumable(root: Path, report=print) -> Path | None:
-    """The newest checkpoint that verifies: `latest` first, then older ones, newest first."""
+def find_resumable(root: Path, report=print, unusable: list | None = None) -> Path | None:
+    """The newest checkpoint that verifies: `latest` first, then older ones, newest first. Each
+    one passed over is reported and, with `unusable`, listed there ({"checkpoint", "problem"})."""
     if not root.exists():
         return None
     candidates = sorted(root.glob("step_*"), reverse=True)
@@ -105,8 +120,9 @@ def find_resumable(root: Path, report=print) -> Path | None:
         if problem is None:
             return candidate
         report(f"checkpoint {candidate} is not usable: {problem}; trying an older one")
+        if unusable is not None:
+            unusable.append({"checkpoint": candidate.name, "problem": problem})
     return None
-
 
 
 def host_rng_state() -> dict:
@@ -183,16 +199,18 @@ def _publish_collectively(root: Path, step: int, keep_last: int, fault, trainer_
     torch.distributed.barrier()
 
 
-def find_collectively(root: Path) -> Path | None:
-    """Rank 0 looks for the newest good checkpoint and tells every rank."""
+def find_collectively(root: Path) -> tuple[Path | None, list[dict]]:
+    """Rank 0 looks for the newest good checkpoint and tells every rank: (it or None, the
+    checkpoints passed over)."""
     import sys
 
     import torch
 
-    found = [find_resumable(root, report=lambda m: print(m, file=sys.stderr, flush=True))
-             if torch.distributed.get_rank() == 0 else None]
+    found = [None, []]
+    if torch.distributed.get_rank() == 0:
+        found[0] = find_resumable(root, report=lambda m: print(m, file=sys.stderr, flush=True), unusable=found[1])
     torch.distributed.broadcast_object_list(found, src=0)
-    return None if found[0] is None else Path(found[0])
+    return (None if found[0] is None else Path(found[0])), found[1]
 
 
 def saved_rng_state(directory: Path, world_size: int):

@@ -157,6 +157,7 @@ class Checkpointing:
     """Resume, periodic verified saves, the watchdog and the NaN check around a DeepSpeed engine."""
 
     def __init__(self, cfg: Config, layout: Layout, run_dir: Path, engine):
+        from toolkit.train import checkpoint as ckpt
         from toolkit.train import deepspeed_checkpoint
         from toolkit.train.faults import Watchdog
         from toolkit.train.save_schedule import SaveSchedule
@@ -164,7 +165,8 @@ class Checkpointing:
         self.cfg, self.layout, self.engine, self.io = cfg, layout, engine, deepspeed_checkpoint
         self.root = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
         self.run_dir = run_dir
-        self.start = self.io.load(engine, self.root, layout) if cfg.checkpoint.resume else 0
+        self.resume = self.io.load(engine, self.root, layout) if cfg.checkpoint.resume else ckpt.Resume()
+        self.start = self.resume.step
         self.watchdog = Watchdog(cfg.train.fault.watchdog_timeout_s)
         self.schedule = SaveSchedule(cfg, layout)
 
@@ -227,7 +229,7 @@ def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
     run = Checkpointing(cfg, layout, run_dir, engine)
     batches = micro_batches(train_dataset(cfg, layout), layout, dp_rank=rank, start_step=run.start)
     device = engine.device
-    metrics = Metrics(cfg, layout, run_dir, enabled=rank == 0, resume_step=run.start)
+    metrics = Metrics(cfg, layout, run_dir, enabled=rank == 0, resume=run.resume)
     for step in range(run.start + 1, layout.steps + 1):
         inject_step_faults(cfg.train.fault, step)
         total = torch.zeros((), dtype=torch.float32)

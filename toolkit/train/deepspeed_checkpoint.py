@@ -23,14 +23,14 @@ def save(engine, root: Path, step: int, layout: Layout, keep_last: int, fault) -
     return ckpt.save_collectively(root, step, keep_last, fault, write, state, ckpt.host_rng_state())
 
 
-def load(engine, root: Path, layout: Layout) -> int:
-    directory = ckpt.find_collectively(root)
+def load(engine, root: Path, layout: Layout) -> ckpt.Resume:
+    directory, unusable = ckpt.find_collectively(root)
     if directory is None:
-        return 0
+        return ckpt.Resume(unusable=unusable)
     _, client = engine.load_checkpoint(str(directory), tag=TAG)
     rng = ckpt.saved_rng_state(directory, layout.world_size)
     if rng is not None:
         ckpt.set_host_rng_state(rng)
     if torch.distributed.get_rank() == 0:
         print(f"resumed from {directory} at step {client['step']}", flush=True)
-    return int(client["step"])
+    return ckpt.Resume(int(client["step"]), str(directory), unusable)

@@ -108,7 +108,7 @@ def train_pipeline(cfg: Config, layout: Layout, run_dir: Path, deepspeed, ds_jso
     run = Checkpointing(cfg, layout, run_dir, engine)
     dp_rank = engine.grid.get_data_parallel_id()
     batches = _pipe_batches(micro_batches(train_dataset(cfg, layout), layout, dp_rank, start_step=run.start))
-    metrics = Metrics(cfg, layout, run_dir, enabled=torch.distributed.get_rank() == 0, resume_step=run.start)
+    metrics = Metrics(cfg, layout, run_dir, enabled=torch.distributed.get_rank() == 0, resume=run.resume)
     for step in range(run.start + 1, layout.steps + 1):
         inject_step_faults(cfg.train.fault, step)
         pipe_loss.poison = run.nan_injected(step)

@@ -29,8 +29,13 @@ def _exit(code: int) -> None:
     os._exit(code)
 
 
+def restart_count() -> int:
+    """How often torchrun has restarted this job (0 on the first attempt)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
 def first_attempt() -> bool:
-    return os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
+    return restart_count() == 0
 
 
 class Watchdog:

@@ -44,19 +44,31 @@ def _seed(seed: int) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
-def _loss(loss_mask: torch.Tensor, output: torch.Tensor):
-    """Mean token loss of one micro-batch (the schedule divides by the number of micro-batches)."""
+def _loss(loss_mask: torch.Tensor, poison: bool, output: torch.Tensor):
+    """Mean token loss of one micro-batch (the schedule divides by the number of micro-batches).
+    `poison` (train.fault.nan_at_step) makes it NaN before the backward pass, as a numerical fault
+    would: NaN gradients follow."""
     mask = loss_mask.reshape(-1).float()
     loss = torch.sum(output.float().reshape(-1) * mask) / mask.sum()
+    if poison:
+        loss = loss * float("nan")
     return loss, {"lm loss": loss.detach().clone()}  # the schedule scales `loss` in place
 
 
-def _forward_step(data_iterator, model):
+def _forward_step(data_iterator, model, poison: bool = False):
     batch = next(data_iterator) if data_iterator is not None else None
     if batch is None:  # a middle pipeline stage: activations come from the previous stage
-        return model(None, None, None), partial(_loss, None)
+        return model(None, None, None), partial(_loss, None, False)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output, partial(_loss, batch["loss_mask"])
+    return output, partial(_loss, batch["loss_mask"], poison)
+
+
+def _local_grads_finite(model: list) -> bool:
+    """Whether this rank's gradient buffers hold only finite numbers (after the data-parallel
+    reduction: a NaN on any replica has reached the reduced gradients). One pass over the
+    gradients, as megatron-core's check_for_nan_in_grad makes, but without raising on this rank
+    alone: the caller agrees with every rank on what to do."""
+    return all(torch.isfinite(buffer.grad_data.sum()).item() for chunk in model for buffer in chunk.buffers)
 
 
 def _load_weights(chunks: list, path: str) -> None:
@@ -131,13 +143,13 @@ def save_checkpoint(root: Path, step: int, chunks, optimizer, scheduler, layout:
     return ckpt.save_collectively(root, step, keep_last, fault, write, state, _rng_state())
 
 
-def load_checkpoint(root: Path, chunks, optimizer, scheduler, layout: Layout) -> int:
-    """Resume from the newest good checkpoint under `root` (any layout); returns its step, 0 if none."""
+def load_checkpoint(root: Path, chunks, optimizer, scheduler, layout: Layout) -> ckpt.Resume:
+    """Resume from the newest good checkpoint under `root` (any layout)."""
     from megatron.core import dist_checkpointing
 
-    directory = ckpt.find_collectively(root)
+    directory, unusable = ckpt.find_collectively(root)
     if directory is None:
-        return 0
+        return ckpt.Resume(unusable=unusable)
     _seed_optimizer_states(optimizer)
     loaded = dist_checkpointing.load(_sharded_state(chunks, optimizer, is_loading=True), str(directory / "model_optim"))
     for i, chunk in enumerate(chunks):
@@ -150,7 +162,7 @@ def load_checkpoint(root: Path, chunks, optimizer, scheduler, layout: Layout) ->
         _set_rng_state(rng)
     if torch.distributed.get_rank() == 0:
         print(f"resumed from {directory} at step {state['step']}", flush=True)
-    return state["step"]
+    return ckpt.Resume(state["step"], str(directory), unusable)
 
 
 def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
@@ -189,7 +201,8 @@ def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
     scheduler = OptimizerParamScheduler(optimizer, **sections["scheduler"])
 
     checkpoints = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
-    start = load_checkpoint(checkpoints, chunks, optimizer, scheduler, layout) if cfg.checkpoint.resume else 0
+    resume = load_checkpoint(checkpoints, chunks, optimizer, scheduler, layout) if cfg.checkpoint.resume else ckpt.Resume()
+    start = resume.step
 
     dataset = train_dataset(cfg, layout)
     dp_rank = parallel_state.get_data_parallel_rank()
@@ -197,7 +210,7 @@ def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
     # The sampler is indexed by step: a resumed run reads exactly the samples it would have read.
     iterators = [micro_batches(dataset, layout, dp_rank, start_step=start) if needs_data else None for _ in model]
     last_stage_reporter = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
-    metrics = Metrics(cfg, layout, run_dir, enabled=torch.distributed.get_rank() == 0, resume_step=start)
+    metrics = Metrics(cfg, layout, run_dir, enabled=torch.distributed.get_rank() == 0, resume=resume)
     watchdog = Watchdog(cfg.train.fault.watchdog_timeout_s)
     fault = cfg.train.fault
     schedule = SaveSchedule(cfg, layout)
@@ -212,10 +225,11 @@ def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
 
     def forward_step(data_iterator, model_chunk):
         watchdog.beat(step)
-        return _forward_step(data_iterator, model_chunk)
+        return _forward_step(data_iterator, model_chunk, poison)
 
     for step in range(start + 1, layout.steps + 1):
         inject_step_faults(fault, step)
+        poison = fault.nan_at_step == step and first_attempt() and dp_rank == 0
         for chunk in model:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
@@ -223,20 +237,25 @@ def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
             forward_step_func=forward_step, data_iterator=iterators if len(model) > 1 else iterators[0],
             model=model if len(model) > 1 else model[0], num_microbatches=layout.grad_accum,
             seq_length=layout.seq_length, micro_batch_size=layout.micro_batch, forward_only=False)
-        # Mean loss over micro-batches and data-parallel replicas, gathered on every rank.
+        # Mean loss over micro-batches and data-parallel replicas, and the number of ranks with
+        # non-finite gradients, in one collective. With fp16 the loss scaler owns the gradient
+        # check (an overflow is routine there: the optimizer skips the step itself).
         local = torch.stack([o["lm loss"] for o in outputs]).mean() if last_stage_reporter and outputs else torch.zeros(())
-        total = local.reshape(1).float().clone()
-        if fault.nan_at_step == step and first_attempt():
-            total.fill_(float("nan"))
+        grads_bad = 0.0 if transformer_config.fp16 or _local_grads_finite(model) else 1.0
+        total = torch.stack([local.float(), torch.tensor(grads_bad)])
         torch.distributed.all_reduce(total)
-        loss = total.item() / (layout.dp * layout.cp)
-        if not math.isfinite(loss):
+        loss = total[0].item() / (layout.dp * layout.cp)
+        bad_loss, bad_grads = not math.isfinite(loss), total[1].item() > 0
+        if bad_loss or bad_grads:
+            what = "non-finite " + " and ".join([f"loss {loss}"] * bad_loss + ["gradients"] * bad_grads)
             if fault.nan_action == "stop":
                 finish_async_saves()
                 metrics.close(run_dir, complete=False)
-                raise FloatingPointError(f"non-finite loss {loss} at step {step}; stopping with the last good checkpoint "
+                raise FloatingPointError(f"{what} at step {step}; stopping with the last good checkpoint "
                                          f"in {checkpoints} kept (train.fault.nan_action=skip skips such steps)")
-            metrics.step(step, loss, optimizer.param_groups[0]["lr"], None, True)  # skip: no update
+            if torch.distributed.get_rank() == 0:
+                print(f"{what} at step {step}: update skipped (train.fault.nan_action=skip)", flush=True)
+            metrics.step(step, loss, optimizer.param_groups[0]["lr"], None, True)  # no update, the schedule waits
             continue
         updated, grad_norm, _ = optimizer.step()
         if updated:

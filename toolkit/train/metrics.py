@@ -20,6 +20,8 @@ from toolkit.plan.flops import step_flops
 from toolkit.plan.layout import Layout
 from toolkit.plan.memory import GIB, peak_memory
 from toolkit.plan.perf import estimate_step, mfu_peak_flops
+from toolkit.train.checkpoint import Resume
+from toolkit.train.faults import restart_count
 
 
 def peak_memory_gib() -> float:
@@ -30,8 +32,10 @@ def peak_memory_gib() -> float:
 
 
 class Metrics:
-    def __init__(self, cfg: Config, layout: Layout, run_dir: Path, enabled: bool, resume_step: int = 0):
+    def __init__(self, cfg: Config, layout: Layout, run_dir: Path, enabled: bool, resume: Resume | None = None):
         self.cfg, self.layout, self.enabled = cfg, layout, enabled
+        self.resume = resume or Resume()
+        resume_step = self.resume.step
         flops = step_flops(cfg.model, layout.seq_length, layout.global_batch, cfg.recompute.granularity, layout.padded_vocab_size)
         self.model_flops_per_step = flops.model
         self.tokens_per_step = flops.tokens
@@ -107,7 +111,9 @@ class Metrics:
             return losses
         summary = {"steps": len(self.history), "losses": losses,
                    "final_loss": self.history[-1]["loss"] if self.history else None,
-                   "mean_tokens_per_s": sum(r["tokens_per_s"] for r in self.history[1:]) / max(1, len(self.history) - 1)}
+                   "mean_tokens_per_s": sum(r["tokens_per_s"] for r in self.history[1:]) / max(1, len(self.history) - 1),
+                   # which attempt of a torchrun-restarted job finished, and where it started from
+                   "restarts": restart_count(), **self.resume.record()}
         tmp = run_dir / ".result.json.tmp"
         tmp.write_text(json.dumps(summary, indent=2))
         os.replace(tmp, run_dir / "result.json")  # written last: a finished run has result.json

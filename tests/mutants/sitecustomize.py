@@ -1,0 +1,87 @@
+"""Test-only defects for the mutation tests; the product never enables them.
+
+tests/training_runs.run(mutation=NAME) puts this folder on PYTHONPATH and sets PARAKIT_MUTATION,
+so every Python process of that run (the launcher, torchrun's ranks) imports this module at
+start-up and patches parakit before it runs. Each defect is one a broken layout, converter or
+resume could really have; the test meant to catch it must then fail.
+"""
+import os
+
+
+def _multi_rank() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
+
+def frozen_mlp():
+    """The last decoder layer's MLP is never updated in a multi-rank run of the deepspeed backend
+    (as if its pipeline stage's parameters never reached the optimizer)."""
+    from toolkit.train import deepspeed_backend
+
+    build_hf_model = deepspeed_backend.build_hf_model
+
+    def hf_model(*args, **kwargs):
+        model = build_hf_model(*args, **kwargs)
+        if _multi_rank():
+            model.model.layers[-1].mlp.requires_grad_(False)
+        return model
+
+    deepspeed_backend.build_hf_model = hf_model
+
+
+def doubled_gradients():
+    """Every gradient doubled in a multi-rank run (megatron backend): a loss scaled twice."""
+    from toolkit.train import megatron_backend
+
+    loss = megatron_backend._loss
+
+    def doubled(*args):
+        value, report = loss(*args)
+        return (value * 2 if _multi_rank() else value), report
+
+    megatron_backend._loss = doubled
+
+
+def scheduler_state_dropped():
+    """A resumed run forgets the learning-rate scheduler's state (megatron backend)."""
+    from types import SimpleNamespace
+
+    from toolkit.train import megatron_backend
+
+    load = megatron_backend.load_checkpoint
+
+    def load_without_scheduler(root, chunks, optimizer, scheduler, layout):
+        return load(root, chunks, optimizer, SimpleNamespace(load_state_dict=lambda state: None), layout)
+
+    megatron_backend.load_checkpoint = load_without_scheduler
+
+
+def norms_decayed():
+    """The deepspeed backend applies weight decay to norms and biases too (megatron-core does not)."""
+    from toolkit.train import deepspeed_backend
+
+    def one_group(module, weight_decay):
+        return [{"params": [p for p in module.parameters() if p.requires_grad], "weight_decay": weight_decay}]
+
+    deepspeed_backend.optimizer_groups = one_group
+
+
+def resume_gives_up():
+    """The search for a checkpoint to resume from gives up when the newest one fails to verify,
+    and the run starts from scratch."""
+    from toolkit.train import checkpoint
+
+    def newest_or_nothing(root, report=print, unusable=None):
+        candidates = sorted(root.glob("step_*"), reverse=True) if root.exists() else []
+        problem = checkpoint.verify(candidates[0]) if candidates else "none"
+        if problem is None:
+            return candidates[0]
+        report(f"checkpoint {candidates[0] if candidates else root} is not usable: {problem}")
+        return None
+
+    checkpoint.find_resumable = newest_or_nothing
+
+
+MUTATIONS = {f.__name__: f for f in (frozen_mlp, doubled_gradients, norms_decayed, scheduler_state_dropped, resume_gives_up)}
+
+if os.environ.get("PARAKIT_MUTATION"):
+    MUTATIONS[os.environ["PARAKIT_MUTATION"]]()
