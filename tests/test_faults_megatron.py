@@ -23,7 +23,7 @@ PP2 = ["cluster.gpus_per_node=2", "parallel.pp=2"]
 # position or the schedule shows in the steps after it.
 LONG_WITH_DROPOUT = [*TP2_PP2_VPP2, "train.steps=10", "model.hidden_dropout=0.1", "model.attention_dropout=0.1"]
 EXACT = Tolerance(loss=0.0, grad_norm=0.0, parameters=0.0)  # a resume at the same layout is bit for bit
-ANOTHER_LAYOUT = Tolerance(loss=1e-6, grad_norm=1e-4, parameters=1e-6)  # as the layout parity tests
+ANOTHER_LAYOUT = Tolerance(loss=4e-6, grad_norm=1e-4, parameters=1e-6)  # as the layout parity tests
 
 
 def run(tmp_path, name, *overrides, timeout=600, mutation=None):
