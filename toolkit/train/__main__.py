@@ -25,7 +25,7 @@ _NOISE = ("Apex is not installed", "Transformer Engine and Apex are not installe
           "is not a leaf Tensor is being accessed", "CUDA_DEVICE_MAX_CONNECTIONS", "reduce_scatter_tensor` is deprecated",
           "pad token id in the tokenizer collides", "absl.logging is not installed", "GPTModel IS DEPRECATED",
           "full_param_layout not provided", "Rerun State Machine", "RerunStateMachine initialized",
-          "all_gather_into_tensor` is deprecated", "full scope is deprecated")
+          "all_gather_into_tensor` is deprecated", "full scope is deprecated", "MCore's async save is deprecated")
 
 
 class _DropNoise(logging.Filter):
@@ -55,6 +55,17 @@ def run(cfg: Config, run_dir: Path) -> list[float]:
     return train(cfg, layout, run_dir)
 
 
+def run_to_exit_code(cfg: Config, run_dir: Path) -> int:
+    """Train; a non-finite loss that stops the run (train.fault.nan_action=stop) is reported in one
+    line, not as a traceback: 1."""
+    try:
+        run(cfg, run_dir)
+    except FloatingPointError as error:
+        print(f"parakit train: {error}", file=sys.stderr, flush=True)
+        return 1
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m toolkit.train", description=__doc__)
     parser.add_argument("--config-dir", type=Path, required=True, help="run directory holding config.yaml")
@@ -66,13 +77,12 @@ def main(argv: list[str] | None = None) -> int:
     detach_resource_tracker()
     end_helpers_on_sigterm()
     try:
-        run(load_run_config(args.config_dir, args.config_name), args.config_dir)
+        return run_to_exit_code(load_run_config(args.config_dir, args.config_name), args.config_dir)
     except ValidationError as error:
         print(error, file=sys.stderr)
         return 2
     finally:
         end_helper_processes()
-    return 0
 
 
 if __name__ == "__main__":

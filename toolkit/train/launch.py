@@ -25,11 +25,10 @@ def train_here(cfg: Config, layout: Layout, run_dir: Path) -> int:
         print(f"parakit train: {cfg.cluster.nodes} nodes: submit {run_dir / 'launch.sh'} with sbatch instead", file=sys.stderr)
         return 2
     if layout.world_size == 1 or "LOCAL_RANK" in os.environ:
-        from toolkit.train.__main__ import quiet_upstream_notices, run
+        from toolkit.train.__main__ import quiet_upstream_notices, run_to_exit_code
 
         quiet_upstream_notices()
-        run(cfg, run_dir)
-        return 0
+        return run_to_exit_code(cfg, run_dir)
     env = dict(os.environ)
     env.setdefault("OMP_NUM_THREADS", "1")
     if cfg.cluster.device == "cpu":
