@@ -2,8 +2,9 @@
 resume into another layout, restart after a killed rank, corrupt and half-written checkpoints, a
 stalled rank, NaN losses before the backward pass, asynchronous saves, and the save interval by
 the planner's rule (the schedule itself: tests/test_save_schedule.py). Which checkpoint a run
-resumed from is read from its result.json. Mutations: a resume that drops the scheduler's state,
-and one that gives up at a corrupt checkpoint and starts from scratch, are caught."""
+resumed from is read from its result.json. Mutations: a resume that drops the scheduler's state or
+the random state, and one that gives up at a corrupt checkpoint and starts from scratch, are
+caught."""
 import shutil
 
 import pytest
@@ -64,6 +65,13 @@ def test_stopped_run_resumes_exactly_with_its_random_state(tmp_path, uninterrupt
 def test_resume_catches_a_dropped_scheduler_state(tmp_path, uninterrupted, killed_at_step_3):
     again = resumed(tmp_path, killed_at_step_3, *LONG_WITH_DROPOUT, mutation="scheduler_state_dropped")
     with pytest.raises(AssertionError, match="lr"):
+        assert_same_training(uninterrupted["long"], again, EXACT)
+
+
+@pytest.mark.mutation
+def test_resume_catches_a_random_state_not_restored(tmp_path, uninterrupted, killed_at_step_3):
+    again = resumed(tmp_path, killed_at_step_3, *LONG_WITH_DROPOUT, mutation="random_state_not_restored")
+    with pytest.raises(AssertionError, match="loss"):  # other dropout masks from step 3 on
         assert_same_training(uninterrupted["long"], again, EXACT)
 
 

@@ -65,6 +65,13 @@ def norms_decayed():
     deepspeed_backend.optimizer_groups = one_group
 
 
+def random_state_not_restored():
+    """A resumed run keeps its fresh random state instead of the checkpoint's (megatron backend)."""
+    from toolkit.train import megatron_backend
+
+    megatron_backend._set_rng_state = lambda state: None
+
+
 def resume_gives_up():
     """The search for a checkpoint to resume from gives up when the newest one fails to verify,
     and the run starts from scratch."""
@@ -81,7 +88,8 @@ def resume_gives_up():
     checkpoint.find_resumable = newest_or_nothing
 
 
-MUTATIONS = {f.__name__: f for f in (frozen_mlp, doubled_gradients, norms_decayed, scheduler_state_dropped, resume_gives_up)}
+MUTATIONS = {f.__name__: f for f in (frozen_mlp, doubled_gradients, norms_decayed, scheduler_state_dropped, random_state_not_restored,
+                                                 resume_gives_up)}
 
 if os.environ.get("PARAKIT_MUTATION"):
     MUTATIONS[os.environ["PARAKIT_MUTATION"]]()
