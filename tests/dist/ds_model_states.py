@@ -1,13 +1,18 @@
 """Bytes of tensors a DeepSpeed engine holds per rank, for the planner comparison.
 
-torchrun --nproc-per-node 2 tests/dist/ds_model_states.py OUT.json [hydra overrides...]
+torchrun --nproc-per-node 2 tests/dist/ds_model_states.py CASES.json OUT.json
 
-Builds the transformers model of the composed config, initialises DeepSpeed with the JSON parakit
-emits, runs one optimizer step (so Adam states exist), then a forward and backward of the next
-step, and counts every live tensor storage (gc) at that point: weights, gradients, optimizer
-states and DeepSpeed's buffers, without activations (freed by backward).
+CASES.json is a list of hydra override lists; OUT.json gets one {"ranks": [{"rank", "bytes"}...],
+"params"} per case, in order. For each case: builds the transformers model of the composed
+config, initialises DeepSpeed with the JSON parakit emits, runs one optimizer step (so Adam
+states exist), then a forward and backward of the next step, and counts every live tensor
+storage (gc) at that point: weights, gradients, optimizer states and DeepSpeed's buffers, without
+activations (freed by backward). The cases share one process, each measured in isolation: after
+each, the engine is destroyed, DeepSpeed's globals forget it, and the live bytes must be back at
+the baseline.
 """
 import importlib
+import inspect
 import json
 import os
 import sys
@@ -16,32 +21,28 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
 from live_tensors import live_tensor_bytes  # noqa: E402
 
+# No C++ compiler needed: gloo does every collective (DeepSpeed's shm op is an optimisation).
+importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
+import deepspeed  # noqa: E402
+from deepspeed.runtime.zero import parameter_offload  # noqa: E402
+from deepspeed.runtime.zero.partitioned_param_coordinator import PartitionedParameterCoordinator  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
+
+from toolkit.config.store import compose_config  # noqa: E402
+from toolkit.emit.deepspeed import deepspeed_config  # noqa: E402
+from toolkit.interop.hf import hf_config  # noqa: E402
+from toolkit.plan.validate import check  # noqa: E402
 
 
-
-def main():
-    out, overrides = sys.argv[1], sys.argv[2:]
-    # No C++ compiler needed: gloo does every collective (DeepSpeed's shm op is an optimisation).
-    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
-    import deepspeed
-    from transformers import AutoModelForCausalLM
-
-    from toolkit.config.store import compose_config
-    from toolkit.emit.deepspeed import deepspeed_config
-    from toolkit.interop.hf import hf_config
-    from toolkit.plan.validate import check
-
-    cfg = compose_config(overrides)
+def held_bytes(cfg, baseline: int) -> tuple[int, int]:
+    """(Most live bytes above baseline after a backward of the second step, parameter count)."""
     layout, _ = check(cfg)
     ds_json = deepspeed_config(cfg, layout)
-    deepspeed.init_distributed(dist_backend="gloo")
-    rank = torch.distributed.get_rank()
     torch.manual_seed(0)
-    baseline = live_tensor_bytes()
     model = AutoModelForCausalLM.from_config(hf_config(cfg.model))
     engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(), config=ds_json)
     del model
-    g = torch.Generator().manual_seed(rank)
+    g = torch.Generator().manual_seed(torch.distributed.get_rank())
 
     def micro_step():
         tokens = torch.randint(0, cfg.model.vocab_size, (layout.micro_batch, cfg.model.seq_length), generator=g)
@@ -57,12 +58,38 @@ def main():
         micro_step()
         held = max(held, live_tensor_bytes() - baseline)
         engine.step()
-    results = [None] * torch.distributed.get_world_size()
-    torch.distributed.all_gather_object(results, {"rank": rank, "bytes": held})
+    params = sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel() for p in engine.module.parameters())
+    engine.destroy()
+    return held, params
+
+
+def forget_engine():
+    """Drop what ZeRO-3 keeps of an engine after destroy() (a fresh process has none of it): the
+    model on FWD_MODULE_STACK, its parameter coordinator in a method's lru_cache."""
+    parameter_offload.FWD_MODULE_STACK.clear()
+    release = PartitionedParameterCoordinator._PartitionedParameterCoordinator__params_to_release
+    inspect.getclosurevars(release).nonlocals["func"].cache_clear()  # under @instrument_w_nvtx
+
+
+def main():
+    with open(sys.argv[1]) as f:
+        cases = json.load(f)
+    cfgs = [compose_config(overrides) for overrides in cases]
+    deepspeed.init_distributed(dist_backend="gloo")
+    rank = torch.distributed.get_rank()
+    baseline = live_tensor_bytes()
+    measured = []
+    for overrides, cfg in zip(cases, cfgs):
+        held, params = held_bytes(cfg, baseline)
+        forget_engine()
+        left = live_tensor_bytes() - baseline
+        assert left == 0, f"{overrides}: {left} bytes outlive the engine"
+        results = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(results, {"rank": rank, "bytes": held})
+        measured.append({"ranks": results, "params": params})
     if rank == 0:
-        with open(out, "w") as f:
-            json.dump({"ranks": results, "params": sum(p.ds_numel if hasattr(p, "ds_numel") else p.numel()
-                                                       for p in engine.module.parameters())}, f)
+        with open(sys.argv[2], "w") as f:
+            json.dump(measured, f)
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
