@@ -68,7 +68,8 @@ def _local_grads_finite(model: list) -> bool:
     reduction: a NaN on any replica has reached the reduced gradients). One pass over the
     gradients, as megatron-core's check_for_nan_in_grad makes, but without raising on this rank
     alone: the caller agrees with every rank on what to do."""
-    return all(torch.isfinite(buffer.grad_data.sum()).item() for chunk in model for buffer in chunk.buffers)
+    sums = [buffer.grad_data.sum() for chunk in model for buffer in chunk.buffers]
+    return not sums or bool(torch.isfinite(torch.stack(sums)).all())  # one device sync
 
 
 def _load_weights(chunks: list, path: str) -> None:
@@ -216,6 +217,7 @@ def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
     schedule = SaveSchedule(cfg, layout)
     async_queue = AsyncCallsQueue() if cfg.checkpoint.async_save else None
     forward_backward = get_forward_backward_func()
+    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
 
     def finish_async_saves():
         """Wait for the save in flight (it holds finite weights) and publish it."""
@@ -240,9 +242,11 @@ def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
         # Mean loss over micro-batches and data-parallel replicas, and the number of ranks with
         # non-finite gradients, in one collective. With fp16 the loss scaler owns the gradient
         # check (an overflow is routine there: the optimizer skips the step itself).
-        local = torch.stack([o["lm loss"] for o in outputs]).mean() if last_stage_reporter and outputs else torch.zeros(())
+        local = torch.zeros((), device=device)
+        if last_stage_reporter and outputs:
+            local = torch.stack([o["lm loss"] for o in outputs]).mean()
         grads_bad = 0.0 if transformer_config.fp16 or _local_grads_finite(model) else 1.0
-        total = torch.stack([local.float(), torch.tensor(grads_bad)])
+        total = torch.stack([local.float(), torch.tensor(grads_bad, device=local.device)])  # NCCL: on the GPU
         torch.distributed.all_reduce(total)
         loss = total[0].item() / (layout.dp * layout.cp)
         bad_loss, bad_grads = not math.isfinite(loss), total[1].item() > 0
