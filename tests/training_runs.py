@@ -195,12 +195,3 @@ def parameter_differences(reference: dict, got: dict) -> dict:
 def assert_same_parameters(reference: dict, got: dict, tolerance: float) -> None:
     off = {name: rms for name, rms in parameter_differences(reference, got).items() if not rms <= tolerance}
     assert not off, f"final parameters differ (RMS) by more than {tolerance}: {off}"
-
-
-def largest_differences(reference: Trained, got: Trained) -> dict:
-    """The largest loss, relative grad-norm and parameter (RMS) differences, to state tolerances from."""
-    steps = list(zip(reference.records, got.records))
-    return {"loss": max(abs(a["loss"] - b["loss"]) for a, b in steps),
-            "grad_norm": max((abs(a["grad_norm"] - b["grad_norm"]) / a["grad_norm"] for a, b in steps
-                              if a["grad_norm"] and b["grad_norm"]), default=None),
-            "parameters": max(parameter_differences(reference.parameters, got.parameters).values())}

@@ -19,7 +19,7 @@ import sys
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")
 import torch  # noqa: E402
-from live_tensors import live_tensor_bytes  # noqa: E402
+from live_tensors import live_tensor_bytes, measure_cases  # noqa: E402
 
 # No C++ compiler needed: gloo does every collective (DeepSpeed's shm op is an optimisation).
 importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None
@@ -76,20 +76,7 @@ def main():
         cases = json.load(f)
     cfgs = [compose_config(overrides) for overrides in cases]
     deepspeed.init_distributed(dist_backend="gloo")
-    rank = torch.distributed.get_rank()
-    baseline = live_tensor_bytes()
-    measured = []
-    for overrides, cfg in zip(cases, cfgs):
-        held, params = held_bytes(cfg, baseline)
-        forget_engine()
-        left = live_tensor_bytes() - baseline
-        assert left == 0, f"{overrides}: {left} bytes outlive the engine"
-        results = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(results, {"rank": rank, "bytes": held})
-        measured.append({"ranks": results, "params": params})
-    if rank == 0:
-        with open(sys.argv[2], "w") as f:
-            json.dump(measured, f)
+    measure_cases(cases, cfgs, held_bytes, forget_engine, sys.argv[2])
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 

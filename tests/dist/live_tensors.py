@@ -1,5 +1,7 @@
-"""Bytes held by every live tensor storage of this process (each storage counted once)."""
+"""Bytes held by every live tensor storage of this process (each storage counted once), and the
+loop that measures several configurations in one process."""
 import gc
+import json
 
 import torch
 
@@ -18,3 +20,22 @@ def live_tensor_bytes() -> int:
             seen.add(storage.data_ptr())
             total += storage.nbytes()
     return total
+
+
+def measure_cases(cases: list, cfgs: list, held_bytes, forget, out: str) -> None:
+    """For each case: `held_bytes(cfg, baseline)` -> (bytes, parameters), then `forget()` what the
+    libraries keep of it; the live bytes must be back at the baseline before the next case.
+    Rank 0 writes one {"ranks", "params"} per case to `out`."""
+    baseline = live_tensor_bytes()
+    measured = []
+    for overrides, cfg in zip(cases, cfgs):
+        held, params = held_bytes(cfg, baseline)
+        forget()
+        left = live_tensor_bytes() - baseline
+        assert left == 0, f"{overrides}: {left} bytes outlive the case"
+        results = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(results, {"rank": torch.distributed.get_rank(), "bytes": held})
+        measured.append({"ranks": results, "params": params})
+    if torch.distributed.get_rank() == 0:
+        with open(out, "w") as f:
+            json.dump(measured, f)

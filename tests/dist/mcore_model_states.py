@@ -15,7 +15,7 @@ import json
 import sys
 
 import torch
-from live_tensors import live_tensor_bytes
+from live_tensors import live_tensor_bytes, measure_cases
 
 from toolkit.train import mcore_cpu
 
@@ -83,19 +83,7 @@ def main():
     # build_model_chunks imports the GPT modules lazily, and with them a 4-byte class tensor
     # (MTPLossAutoScaler's): imported before the baseline, so that no case counts it.
     importlib.import_module("megatron.core.models.gpt.gpt_layer_specs")
-    baseline = live_tensor_bytes()
-    measured = []
-    for overrides, cfg in zip(cases, cfgs):
-        held, params = held_bytes(cfg, baseline)
-        forget_model()
-        left = live_tensor_bytes() - baseline
-        assert left == 0, f"{overrides}: {left} bytes outlive the model and optimizer"
-        results = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(results, {"rank": torch.distributed.get_rank(), "bytes": held})
-        measured.append({"ranks": results, "params": params})
-    if torch.distributed.get_rank() == 0:
-        with open(sys.argv[2], "w") as f:
-            json.dump(measured, f)
+    measure_cases(cases, cfgs, held_bytes, forget_model, sys.argv[2])
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
