@@ -8,6 +8,7 @@ save blocked the training loop, the whole run's wall time, and the ratios (async
 
 The first save of each run (process start-up, file creation) is left out of the mean.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -19,16 +20,49 @@ import tempfile
 import time
 from pathlib import Path
 
-CPU = ["model=tiny", "model.hidden_size=512", "model.ffn_hidden_size=1536", "model.num_attention_heads=8",
-       "model.num_kv_heads=4", "precision=fp32", "cluster=cpu", "cluster.gpus_per_node=2", "parallel.pp=2", "zero=1",
-       "train.steps=12", "train.global_batch=8", "train.micro_batch=1", "checkpoint.interval_steps=3"]
-GPU = ["model=llama3_1b", "cluster=1xh200", "cluster.gpus_per_node=1", "precision=bf16", "parallel=dp", "zero=1",
-       "model.seq_length=2048", "train.steps=20", "train.global_batch=16", "train.micro_batch=4", "checkpoint.interval_steps=5"]
+CPU = [
+    "model=tiny",
+    "model.hidden_size=512",
+    "model.ffn_hidden_size=1536",
+    "model.num_attention_heads=8",
+    "model.num_kv_heads=4",
+    "precision=fp32",
+    "cluster=cpu",
+    "cluster.gpus_per_node=2",
+    "parallel.pp=2",
+    "zero=1",
+    "train.steps=12",
+    "train.global_batch=8",
+    "train.micro_batch=1",
+    "checkpoint.interval_steps=3",
+]
+GPU = [
+    "model=llama3_1b",
+    "cluster=1xh200",
+    "cluster.gpus_per_node=1",
+    "precision=bf16",
+    "parallel=dp",
+    "zero=1",
+    "model.seq_length=2048",
+    "train.steps=20",
+    "train.global_batch=16",
+    "train.micro_batch=4",
+    "checkpoint.interval_steps=5",
+]
 
 
 def train(run_dir: Path, overrides: list[str]) -> tuple[list[float], float]:
-    command = [sys.executable, "-m", "toolkit.cli", "train", *overrides, "data=synthetic", "optim.warmup_steps=1",
-               "checkpoint.keep_last=2", f"hydra.run.dir={run_dir}"]
+    command = [
+        sys.executable,
+        "-m",
+        "toolkit.cli",
+        "train",
+        *overrides,
+        "data=synthetic",
+        "optim.warmup_steps=1",
+        "checkpoint.keep_last=2",
+        f"hydra.run.dir={run_dir}",
+    ]
     print("parakit train " + " ".join(command[4:]), flush=True)
     started = time.monotonic()
     result = subprocess.run(command, capture_output=True, text=True)
@@ -51,9 +85,14 @@ def main() -> int:
     sync_mean = statistics.mean(sync_saves[1:] or sync_saves)
     async_mean = statistics.mean(async_saves[1:] or async_saves)
     print(f"\nsaves per run: {len(sync_saves)}; run directories under {root}")
-    print(f"  training held up per save   sync {sync_mean:8.3f} s   async {async_mean:8.3f} s   ratio {async_mean / sync_mean:5.2f}")
-    print(f"  whole run (incl. start-up)  sync {sync_seconds:8.1f} s   async {async_seconds:8.1f} s   ratio "
-          f"{async_seconds / sync_seconds:5.2f}")
+    print(
+        f"  training held up per save   sync {sync_mean:8.3f} s   async {async_mean:8.3f} s   ratio "
+        f"{async_mean / sync_mean:5.2f}"
+    )
+    print(
+        f"  whole run (incl. start-up)  sync {sync_seconds:8.1f} s   async {async_seconds:8.1f} s   ratio "
+        f"{async_seconds / sync_seconds:5.2f}"
+    )
     return 0
 
 

@@ -9,6 +9,7 @@ with the source's own FLOP convention). Where the source leaves the micro batch 
 open, the planner's own best choice that fits in memory is used (listed under "chosen").
 The goal is +-15% on every run; the summary says how many meet it.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -48,17 +49,25 @@ def convention_flops(convention: str, m, seq: int, global_batch: int, vocab: int
 
 
 def compose_run(run: dict):
-    overrides = [f"model={run['base']}", f"cluster={run['cluster']}", f"recompute={run['recompute']}",
-                 f"precision={run['precision']}", f"backend={run.get('backend', 'megatron')}", f"zero={run['zero']}",
-                 "train.steps=1", "optim.warmup_steps=0"]
+    overrides = [
+        f"model={run['base']}",
+        f"cluster={run['cluster']}",
+        f"recompute={run['recompute']}",
+        f"precision={run['precision']}",
+        f"backend={run.get('backend', 'megatron')}",
+        f"zero={run['zero']}",
+        "train.steps=1",
+        "optim.warmup_steps=0",
+    ]
     cfg = compose_config(overrides)
     gpus_per_node = cfg.cluster.gpus_per_node
     model = dataclasses.replace(cfg.model, **run.get("model", {}))
     model = dataclasses.replace(model, max_position_embeddings=max(model.max_position_embeddings, model.seq_length))
     parallel = dataclasses.replace(cfg.parallel, **run["parallel"])
     train = dataclasses.replace(cfg.train, **run["train"])
-    cluster = dataclasses.replace(cfg.cluster, nodes=max(1, run["gpus"] // gpus_per_node),
-                                  gpus_per_node=min(gpus_per_node, run["gpus"]))
+    cluster = dataclasses.replace(
+        cfg.cluster, nodes=max(1, run["gpus"] // gpus_per_node), gpus_per_node=min(gpus_per_node, run["gpus"])
+    )
     return dataclasses.replace(cfg, model=model, parallel=parallel, train=train, cluster=cluster)
 
 
@@ -71,8 +80,11 @@ def _choices(cfg, run: dict):
         if cfg.train.global_batch % (micro * dp):
             continue
         for vpp in vpps:
-            candidate = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, micro_batch=micro),
-                                            parallel=dataclasses.replace(cfg.parallel, vpp=vpp))
+            candidate = dataclasses.replace(
+                cfg,
+                train=dataclasses.replace(cfg.train, micro_batch=micro),
+                parallel=dataclasses.replace(cfg.parallel, vpp=vpp),
+            )
             errors = {e.rule for e in validate(candidate).errors}
             if errors & {"pp_layers", "pp_uneven", "vpp_microbatches", "batch_split", "world_size"}:
                 continue
@@ -111,12 +123,21 @@ def predict(run: dict) -> dict:
     if "vpp" not in run["parallel"] and layout.pp > 1:
         chosen.append(f"vpp {layout.vpp}")
     return {
-        "id": run["id"], "gpus": gpus, "layout": f"tp{layout.tp} pp{layout.pp} vpp{layout.vpp} cp{layout.cp} dp{layout.dp}",
+        "id": run["id"],
+        "gpus": gpus,
+        "layout": f"tp{layout.tp} pp{layout.pp} vpp{layout.vpp} cp{layout.cp} dp{layout.dp}",
         # error > 0: the planner predicts more throughput (a shorter step) than was measured
-        "metric": metric, "published": value, "predicted": predicted,
+        "metric": metric,
+        "published": value,
+        "predicted": predicted,
         "error": value / predicted - 1 if metric == "step_time_s" else predicted / value - 1,
-        "mfu": step.mfu, "bubble": step.bubble / step.step_time, "comm": step.comm_share,
-        "memory_gib": memory.total / GIB, "chosen": chosen, "validator": sorted(errors), "assumed": run.get("assumed", []),
+        "mfu": step.mfu,
+        "bubble": step.bubble / step.step_time,
+        "comm": step.comm_share,
+        "memory_gib": memory.total / GIB,
+        "chosen": chosen,
+        "validator": sorted(errors),
+        "assumed": run.get("assumed", []),
     }
 
 
@@ -129,19 +150,25 @@ def main() -> int:
     rows = [predict(run) for run in data["runs"]]
 
     short = {"step_time_s": "step s", "tokens_per_s_per_gpu": "tok/s/GPU", "tflops_per_gpu": "TFLOP/s/GPU"}
-    print(f"{'run':34} {'GPUs':>6} {'layout':28} {'metric':11} {'published':>10} {'predicted':>10} {'error':>7}  "
-          f"{'MFU':>5} {'bubble':>6} {'comm':>5} {'mem GiB':>7}  chosen / validator")
+    print(
+        f"{'run':34} {'GPUs':>6} {'layout':28} {'metric':11} {'published':>10} {'predicted':>10} {'error':>7}  "
+        f"{'MFU':>5} {'bubble':>6} {'comm':>5} {'mem GiB':>7}  chosen / validator"
+    )
     for r in rows:
         flag = " " if abs(r["error"]) <= TOLERANCE else "*"
         notes = ", ".join(r["chosen"] + [f"validator: {v}" for v in r["validator"]])
-        print(f"{r['id']:34} {r['gpus']:>6} {r['layout']:28} {short[r['metric']]:11} {r['published']:>10.4g} "
-              f"{r['predicted']:>10.4g} {r['error']:>+6.1%}{flag} {r['mfu']:>5.1%} {r['bubble']:>6.1%} {r['comm']:>5.1%} "
-              f"{r['memory_gib']:>7.1f}  {notes}")
+        print(
+            f"{r['id']:34} {r['gpus']:>6} {r['layout']:28} {short[r['metric']]:11} {r['published']:>10.4g} "
+            f"{r['predicted']:>10.4g} {r['error']:>+6.1%}{flag} {r['mfu']:>5.1%} {r['bubble']:>6.1%} {r['comm']:>5.1%} "
+            f"{r['memory_gib']:>7.1f}  {notes}"
+        )
     errors = [abs(r["error"]) for r in rows]
     within = sum(e <= TOLERANCE for e in errors)
-    print(f"\n{within} of {len(rows)} runs within +-{TOLERANCE:.0%}; median |error| {statistics.median(errors):.1%}, "
-          f"mean |error| {statistics.fmean(errors):.1%}, worst {max(errors):.1%} "
-          f"(geometric mean ratio {math.exp(statistics.fmean(math.log(1 + r['error']) for r in rows)):.3f})")
+    print(
+        f"\n{within} of {len(rows)} runs within +-{TOLERANCE:.0%}; median |error| {statistics.median(errors):.1%}, "
+        f"mean |error| {statistics.fmean(errors):.1%}, worst {max(errors):.1%} "
+        f"(geometric mean ratio {math.exp(statistics.fmean(math.log(1 + r['error']) for r in rows)):.3f})"
+    )
     for excluded in data.get("excluded", []):
         print(f"excluded {excluded['id']}: {excluded['why']}")
     if args.json:

@@ -4,6 +4,7 @@ model.safetensors) that `backend=deepspeed model.hf_path=...` or transformers ca
 
     python scripts/convert_megatron_to_hf.py --config RUN_DIR/config.yaml --checkpoint CKPT_DIR --out HF_DIR
 """
+
 from __future__ import annotations
 
 import argparse
@@ -37,16 +38,32 @@ def main() -> None:
     cfg = load_run_config(args.config.parent, args.config.stem)
     # One process holds the whole model: tp = pp = 1 (dist_checkpointing reshards on load).
     cfg = dataclasses.replace(
-        cfg, parallel=dataclasses.replace(cfg.parallel, tp=1, pp=1, vpp=1, cp=1, dp=None, sequence_parallel=False,
-                                          first_stage_layers=None, last_stage_layers=None),
+        cfg,
+        parallel=dataclasses.replace(
+            cfg.parallel,
+            tp=1,
+            pp=1,
+            vpp=1,
+            cp=1,
+            dp=None,
+            sequence_parallel=False,
+            first_stage_layers=None,
+            last_stage_layers=None,
+        ),
         cluster=dataclasses.replace(cfg.cluster, device="cpu", nodes=1, gpus_per_node=1),
-        precision=dataclasses.replace(cfg.precision, dtype="fp32"), zero=dataclasses.replace(cfg.zero, stage=0),
-        train=dataclasses.replace(cfg.train, global_batch=cfg.train.micro_batch, grad_accum=None))
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29561"), RANK="0", WORLD_SIZE="1")
+        precision=dataclasses.replace(cfg.precision, dtype="fp32"),
+        zero=dataclasses.replace(cfg.zero, stage=0),
+        train=dataclasses.replace(cfg.train, global_batch=cfg.train.micro_batch, grad_accum=None),
+    )
+    os.environ.update(
+        MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29561"), RANK="0", WORLD_SIZE="1"
+    )
     torch.distributed.init_process_group("gloo")
     parallel_state.initialize_model_parallel(1, 1)
     (model,) = build_model_chunks(megatron_sections(cfg, resolve(cfg)))
-    model.load_state_dict(dist_checkpointing.load({"chunk0": model.sharded_state_dict()}, str(args.checkpoint))["chunk0"])
+    model.load_state_dict(
+        dist_checkpointing.load({"chunk0": model.sharded_state_dict()}, str(args.checkpoint))["chunk0"]
+    )
     config = hf_config(cfg.model)
     hf_model = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)](config)
     hf_model.load_state_dict(megatron_to_hf(model.state_dict(), cfg.model), strict=True)

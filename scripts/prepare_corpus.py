@@ -3,6 +3,7 @@ indexed dataset, once. `parakit train data=corpus` calls this itself; run it alo
 
     python scripts/prepare_corpus.py
 """
+
 from toolkit.train.corpus import prepare_corpus
 
 

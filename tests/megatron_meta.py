@@ -1,6 +1,7 @@
 """Build this rank's megatron-core GPTModel on the meta device inside a fake process group:
 real module shapes for any tp x pp x vpp layout, in one process, with no memory and no peers
 (the dry-run technique of torchtitan)."""
+
 from __future__ import annotations
 
 import dataclasses
@@ -23,26 +24,39 @@ def fake_rank(rank: int, world: int, tp: int, pp: int, vpp: int):
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     try:
         parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=tp, pipeline_model_parallel_size=pp,
+            tensor_model_parallel_size=tp,
+            pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
-            create_gloo_process_groups=False)
+            create_gloo_process_groups=False,
+        )
         yield parallel_state
     finally:
         parallel_state.destroy_model_parallel()
         dist.destroy_process_group()
 
 
-def megatron_rank_params(cfg, tp: int, pp: int, vpp: int, stage: int, first: int | None = None, last: int | None = None) -> dict:
+def megatron_rank_params(
+    cfg, tp: int, pp: int, vpp: int, stage: int, first: int | None = None, last: int | None = None
+) -> dict:
     """{"total": n, "embedding": n, "output": n} for tensor rank 0 of pipeline `stage`."""
     from toolkit.train.megatron_model import build_model_chunks
 
     cfg = dataclasses.replace(
-        cfg, parallel=dataclasses.replace(cfg.parallel, tp=tp, pp=pp, vpp=vpp, dp=None, cp=1, first_stage_layers=first,
-                                     last_stage_layers=last),
-        cluster=dataclasses.replace(cfg.cluster, nodes=1, gpus_per_node=tp * pp))
+        cfg,
+        parallel=dataclasses.replace(
+            cfg.parallel, tp=tp, pp=pp, vpp=vpp, dp=None, cp=1, first_stage_layers=first, last_stage_layers=last
+        ),
+        cluster=dataclasses.replace(cfg.cluster, nodes=1, gpus_per_node=tp * pp),
+    )
     sections = megatron_sections(cfg, resolve(cfg))
-    sections["model_parallel"].update(use_cpu_initialization=True, perform_initialization=False,
-                                      params_dtype="float32", pipeline_dtype="float32", bf16=False, fp16=False)
+    sections["model_parallel"].update(
+        use_cpu_initialization=True,
+        perform_initialization=False,
+        params_dtype="float32",
+        pipeline_dtype="float32",
+        bf16=False,
+        fp16=False,
+    )
     sections["transformer"].update(fp8=None, transformer_impl="local", init_model_with_meta_device=True)
     # Megatron orders ranks tp-fastest: global rank = stage * tp + tensor rank (dp=1, cp=1).
     with fake_rank(stage * tp, tp * pp, tp, pp, vpp), torch.device("meta"):

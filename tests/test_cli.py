@@ -1,4 +1,5 @@
 """`parakit validate|generate` as a user runs it: exit codes, messages, the five files."""
+
 import json
 import subprocess
 import sys
@@ -13,11 +14,17 @@ from toolkit.config.schema import Config
 from toolkit.config.store import conf_dir
 from toolkit.emit.files import GENERATED
 
-FLAGS = {line for line in (Path(__file__).parent / "data" / "megatron_lm_flags.txt").read_text().split() if line.startswith("--")}
+FLAGS = {
+    line
+    for line in (Path(__file__).parent / "data" / "megatron_lm_flags.txt").read_text().split()
+    if line.startswith("--")
+}
 
 
 def parakit(*args, cwd):
-    return subprocess.run([sys.executable, "-m", "toolkit.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=120)
+    return subprocess.run(
+        [sys.executable, "-m", "toolkit.cli", *args], cwd=cwd, capture_output=True, text=True, timeout=120
+    )
 
 
 def test_validate_ok_and_writes_nothing(tmp_path):
@@ -90,5 +97,7 @@ def test_generate_recipe_writes_five_files_upstream_accepts(tmp_path, recipe):
 def test_multirun_sweeps_zero_stages(tmp_path):
     result = parakit("generate", "-m", "backend=deepspeed", "zero=0,1,2,3", "hydra.sweep.dir=sweep", cwd=tmp_path)
     assert result.returncode == 0, result.stderr
-    stages = sorted(json.loads(p.read_text())["zero_optimization"]["stage"] for p in (tmp_path / "sweep").glob("*/deepspeed.json"))
+    stages = sorted(
+        json.loads(p.read_text())["zero_optimization"]["stage"] for p in (tmp_path / "sweep").glob("*/deepspeed.json")
+    )
     assert stages == [0, 1, 2, 3]

@@ -1,4 +1,5 @@
 """Composition through Hydra's typed schema, the published architectures, and the layout math."""
+
 import math
 
 import pytest
@@ -8,7 +9,9 @@ from toolkit.config.store import conf_dir, quote_numeric_choices
 from toolkit.plan.layout import bubble_fraction, lr_scale_factor, padded_vocab_size, rescaled_warmup, resolve
 
 
-@pytest.mark.parametrize("group", ["model", "parallel", "zero", "precision", "recompute", "optim", "train", "cluster", "backend", "data"])
+@pytest.mark.parametrize(
+    "group", ["model", "parallel", "zero", "precision", "recompute", "optim", "train", "cluster", "backend", "data"]
+)
 def test_every_group_option_composes(compose, group):
     options = sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
     assert options
@@ -21,12 +24,15 @@ def test_cluster_presets_cover_cpu_single_h200_node_and_clusters():
     assert {"cpu", "1xh200", "8xh100", "h100_cluster"} <= names
 
 
-@pytest.mark.parametrize("override,error", [
-    ("parallel.tp=abc", ConfigCompositionException),
-    ("parallel.unknown=1", ConfigCompositionException),
-    ("train.global_batch=1.5", ConfigCompositionException),
-    ("model=nope", MissingConfigException),
-])
+@pytest.mark.parametrize(
+    "override,error",
+    [
+        ("parallel.tp=abc", ConfigCompositionException),
+        ("parallel.unknown=1", ConfigCompositionException),
+        ("train.global_batch=1.5", ConfigCompositionException),
+        ("model=nope", MissingConfigException),
+    ],
+)
 def test_wrong_type_or_unknown_key_fails_at_composition(compose, override, error):
     with pytest.raises(error):
         compose(override)
@@ -34,16 +40,37 @@ def test_wrong_type_or_unknown_key_fails_at_composition(compose, override, error
 
 def test_numeric_group_choices_are_quoted():
     assert quote_numeric_choices(["zero=3", "zero=0,1,2", "parallel.tp=2", "+zero=1"]) == [
-        "zero='3'", "zero='0','1','2'", "parallel.tp=2", "+zero='1'"]
+        "zero='3'",
+        "zero='0','1','2'",
+        "parallel.tp=2",
+        "+zero='1'",
+    ]
 
 
 def test_user_facing_names(compose):
-    cfg = compose("parallel.tp=2", "parallel.pp=2", "parallel.vpp=2", "zero=3", "precision=bf16", "recompute=full",
-                  "backend=deepspeed", "cluster.nodes=2", "cluster.gpus_per_node=8", "train.global_batch=64",
-                  "train.micro_batch=4", "train.steps=7")
+    cfg = compose(
+        "parallel.tp=2",
+        "parallel.pp=2",
+        "parallel.vpp=2",
+        "zero=3",
+        "precision=bf16",
+        "recompute=full",
+        "backend=deepspeed",
+        "cluster.nodes=2",
+        "cluster.gpus_per_node=8",
+        "train.global_batch=64",
+        "train.micro_batch=4",
+        "train.steps=7",
+    )
     assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.vpp, cfg.zero.stage) == (2, 2, 2, 3)
     assert (cfg.precision.dtype, cfg.recompute.granularity, cfg.backend.name) == ("bf16", "full", "deepspeed")
-    assert (cfg.cluster.nodes, cfg.cluster.gpus_per_node, cfg.train.global_batch, cfg.train.micro_batch, cfg.train.steps) == (2, 8, 64, 4, 7)
+    assert (
+        cfg.cluster.nodes,
+        cfg.cluster.gpus_per_node,
+        cfg.train.global_batch,
+        cfg.train.micro_batch,
+        cfg.train.steps,
+    ) == (2, 8, 64, 4, 7)
 
 
 def _param_count(m) -> int:
@@ -60,21 +87,26 @@ def _param_count(m) -> int:
     return m.num_layers * (attn + mlp + 2 * norm) + norm + embed + positions
 
 
-@pytest.mark.parametrize("model,published", [
-    ("gpt2_124m", 124_439_808),  # Hugging Face gpt2: sum of parameter sizes
-    ("llama3_1b", 1_235_814_400),  # meta-llama/Llama-3.2-1B
-    ("llama3_8b", 8_030_261_248),  # meta-llama/Llama-3.1-8B
-    ("llama3_70b", 70_553_706_496),  # meta-llama/Llama-3.1-70B
-    ("llama3_405b", 405_853_388_800),  # meta-llama/Llama-3.1-405B
-    ("qwen2_0_5b", 494_032_768),  # Qwen/Qwen2.5-0.5B
-    ("mistral_7b", 7_241_732_096),  # mistralai/Mistral-7B-v0.1
-])
+@pytest.mark.parametrize(
+    "model,published",
+    [
+        ("gpt2_124m", 124_439_808),  # Hugging Face gpt2: sum of parameter sizes
+        ("llama3_1b", 1_235_814_400),  # meta-llama/Llama-3.2-1B
+        ("llama3_8b", 8_030_261_248),  # meta-llama/Llama-3.1-8B
+        ("llama3_70b", 70_553_706_496),  # meta-llama/Llama-3.1-70B
+        ("llama3_405b", 405_853_388_800),  # meta-llama/Llama-3.1-405B
+        ("qwen2_0_5b", 494_032_768),  # Qwen/Qwen2.5-0.5B
+        ("mistral_7b", 7_241_732_096),  # mistralai/Mistral-7B-v0.1
+    ],
+)
 def test_published_architectures_have_their_parameter_counts(compose, model, published):
     assert _param_count(compose(f"model={model}").model) == published
 
 
 def test_gpt3_is_175b(compose):
-    assert _param_count(compose("model=gpt3_175b").model) == pytest.approx(175.0e9, rel=0.005)  # Brown et al. 2020, Table 2.1
+    assert _param_count(compose("model=gpt3_175b").model) == pytest.approx(
+        175.0e9, rel=0.005
+    )  # Brown et al. 2020, Table 2.1
 
 
 def test_vocab_padding_matches_megatron():
@@ -93,9 +125,22 @@ def test_lr_and_warmup_rescaling_rules():
 
 
 def test_resolve_derives_dp_accumulation_steps_and_lr(compose):
-    layout = resolve(compose("cluster=h100_cluster", "parallel.tp=8", "parallel.pp=2", "train.global_batch=256", "train.micro_batch=2",
-                             "train.steps=null", "train.tokens=1000000", "model.seq_length=128", "optim.lr=1e-3",
-                             "optim.reference_global_batch=64", "optim.lr_scaling=sqrt", "optim.warmup_steps=100"))
+    layout = resolve(
+        compose(
+            "cluster=h100_cluster",
+            "parallel.tp=8",
+            "parallel.pp=2",
+            "train.global_batch=256",
+            "train.micro_batch=2",
+            "train.steps=null",
+            "train.tokens=1000000",
+            "model.seq_length=128",
+            "optim.lr=1e-3",
+            "optim.reference_global_batch=64",
+            "optim.lr_scaling=sqrt",
+            "optim.warmup_steps=100",
+        )
+    )
     assert (layout.world_size, layout.dp, layout.grad_accum) == (64, 4, 32)
     assert layout.steps == math.ceil(1_000_000 / (256 * 128))
     assert layout.lr == pytest.approx(2e-3) and layout.warmup_steps == 25

@@ -5,20 +5,31 @@ at every step. Mutations: a converter or config defect -- two query heads swappe
 and up projections swapped, the final norm dropped, another RoPE base -- is caught by the logits
 (each moved the first loss by only 8e-6 to 4e-5, which is why the first loss alone proved little);
 weight decay on the norms (what megatron-core leaves out) is caught by the curves."""
+
 import json
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
-
 from training_runs import Tolerance, trained
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_processes_left_behind")]
 
 TESTS = Path(__file__).parent
-BASE = ["model=tiny", "model.vocab_size=50304", "data=synthetic", "precision=fp32", "train.steps=10", "train.global_batch=4",
-        "train.micro_batch=2", "cluster.gpus_per_node=1", "zero=1", "optim.lr=1e-3", "optim.warmup_steps=0"]
+BASE = [
+    "model=tiny",
+    "model.vocab_size=50304",
+    "data=synthetic",
+    "precision=fp32",
+    "train.steps=10",
+    "train.global_batch=4",
+    "train.micro_batch=2",
+    "cluster.gpus_per_node=1",
+    "zero=1",
+    "optim.lr=1e-3",
+    "optim.warmup_steps=0",
+]
 # Measured: the logits agree within 3e-7 (fp32; the attention and norm implementations round
 # differently); the smallest converter defect above (RoPE base) moves them by 2.6e-3.
 LOGITS_TOLERANCE = 1e-5
@@ -35,15 +46,43 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("cross")
     init, hf = tmp / "init", tmp / "hf"
     megatron = trained(tmp, "megatron", *BASE, f"train.save_init_checkpoint={init}")
-    convert = subprocess.run([sys.executable, str(TESTS.parent / "scripts" / "convert_megatron_to_hf.py"), "--config",
-                              str(megatron.run_dir / "config.yaml"), "--checkpoint", str(init), "--out", str(hf)],
-                             capture_output=True, text=True, timeout=300)
+    convert = subprocess.run(
+        [
+            sys.executable,
+            str(TESTS.parent / "scripts" / "convert_megatron_to_hf.py"),
+            "--config",
+            str(megatron.run_dir / "config.yaml"),
+            "--checkpoint",
+            str(init),
+            "--out",
+            str(hf),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert convert.returncode == 0, convert.stderr[-3000:]
-    logits = subprocess.run([sys.executable, str(TESTS / "dist" / "cross_backend_logits.py"), "29543", str(megatron.run_dir),
-                             str(init), str(hf)], capture_output=True, text=True, timeout=300)
+    logits = subprocess.run(
+        [
+            sys.executable,
+            str(TESTS / "dist" / "cross_backend_logits.py"),
+            "29543",
+            str(megatron.run_dir),
+            str(init),
+            str(hf),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert logits.returncode == 0, logits.stderr[-3000:]
     deepspeed = trained(tmp, "deepspeed", *BASE, "backend=deepspeed", f"model.hf_path={hf}")
-    return {"megatron": megatron, "deepspeed": deepspeed, "hf": hf, "logits": json.loads(logits.stdout.strip().splitlines()[-1])}
+    return {
+        "megatron": megatron,
+        "deepspeed": deepspeed,
+        "hf": hf,
+        "logits": json.loads(logits.stdout.strip().splitlines()[-1]),
+    }
 
 
 def assert_same_logits(difference: float) -> None:
@@ -68,7 +107,9 @@ def test_both_backends_train_the_same_curve(runs):
 
 @pytest.mark.mutation
 def test_curves_catch_weight_decay_on_the_norms(tmp_path, runs):
-    decayed = trained(tmp_path, "decayed", *BASE, "backend=deepspeed", f"model.hf_path={runs['hf']}", mutation="norms_decayed")
+    decayed = trained(
+        tmp_path, "decayed", *BASE, "backend=deepspeed", f"model.hf_path={runs['hf']}", mutation="norms_decayed"
+    )
     with pytest.raises(AssertionError):
         assert_same_curve(runs["megatron"].records, decayed.records)
 

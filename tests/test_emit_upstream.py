@@ -1,5 +1,6 @@
 """The generated configurations are accepted by DeepSpeed's and megatron-core's own classes,
 over a broad matrix of models x layouts x ZeRO x precision x recompute x backend."""
+
 import dataclasses
 import itertools
 import logging
@@ -15,23 +16,53 @@ from toolkit.plan.validate import validate
 logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 
 # (tp, pp, vpp, cp, sequence_parallel)
-GPU_LAYOUTS = [(1, 1, 1, 1, False), (8, 1, 1, 1, True), (4, 4, 1, 1, True), (8, 4, 2, 1, True), (2, 2, 2, 2, False),
-               (8, 8, 1, 1, True), (2, 1, 1, 1, False), (1, 2, 1, 1, False)]
-CPU_LAYOUTS = [(1, 1, 1, 1, False), (2, 1, 1, 1, False), (2, 2, 2, 1, False), (1, 4, 2, 1, False), (1, 2, 1, 2, False),
-               (4, 1, 1, 1, True)]
-ZERO = [(0, "none", "none"), (1, "none", "none"), (2, "none", "none"), (3, "none", "none"), (2, "cpu", "none"), (3, "cpu", "cpu")]
+GPU_LAYOUTS = [
+    (1, 1, 1, 1, False),
+    (8, 1, 1, 1, True),
+    (4, 4, 1, 1, True),
+    (8, 4, 2, 1, True),
+    (2, 2, 2, 2, False),
+    (8, 8, 1, 1, True),
+    (2, 1, 1, 1, False),
+    (1, 2, 1, 1, False),
+]
+CPU_LAYOUTS = [
+    (1, 1, 1, 1, False),
+    (2, 1, 1, 1, False),
+    (2, 2, 2, 1, False),
+    (1, 4, 2, 1, False),
+    (1, 2, 1, 2, False),
+    (4, 1, 1, 1, True),
+]
+ZERO = [
+    (0, "none", "none"),
+    (1, "none", "none"),
+    (2, "none", "none"),
+    (3, "none", "none"),
+    (2, "cpu", "none"),
+    (3, "cpu", "cpu"),
+]
 PRECISION = ["fp32", "bf16", "fp16", "fp8"]
 RECOMPUTE = ["none", "selective", "full"]
 BACKEND = ["megatron", "deepspeed"]
-MODELS = [("tiny", "cpu"), ("gpt2_124m", "h100_cluster"), ("llama3_1b", "h100_cluster"), ("llama3_8b", "h100_cluster"),
-          ("llama3_70b", "h100_cluster"), ("llama3_405b", "h100_cluster"), ("gpt3_175b", "a100_cluster"),
-          ("qwen2_0_5b", "h100_cluster"), ("mistral_7b", "h100_cluster")]
+MODELS = [
+    ("tiny", "cpu"),
+    ("gpt2_124m", "h100_cluster"),
+    ("llama3_1b", "h100_cluster"),
+    ("llama3_8b", "h100_cluster"),
+    ("llama3_70b", "h100_cluster"),
+    ("llama3_405b", "h100_cluster"),
+    ("gpt3_175b", "a100_cluster"),
+    ("qwen2_0_5b", "h100_cluster"),
+    ("mistral_7b", "h100_cluster"),
+]
 
 
 def variants(base):
     layouts = CPU_LAYOUTS if base.cluster.device == "cpu" else GPU_LAYOUTS
     for (tp, pp, vpp, cp, sp), (stage, off_opt, off_par), dtype, recompute, backend in itertools.product(
-            layouts, ZERO, PRECISION, RECOMPUTE, BACKEND):
+        layouts, ZERO, PRECISION, RECOMPUTE, BACKEND
+    ):
         yield dataclasses.replace(
             base,
             parallel=dataclasses.replace(base.parallel, tp=tp, pp=pp, vpp=vpp, cp=cp, sequence_parallel=sp),
@@ -44,8 +75,14 @@ def variants(base):
 
 @pytest.mark.parametrize("model,cluster", MODELS, ids=[m for m, _ in MODELS])
 def test_upstream_accepts_every_valid_composition(compose, model, cluster):
-    base = compose(f"model={model}", f"cluster={cluster}", "train=pretrain", "train.global_batch=1024",
-                   "optim.warmup_steps=100", "model.seq_length=1024" if model != "tiny" else "model.seq_length=128")
+    base = compose(
+        f"model={model}",
+        f"cluster={cluster}",
+        "train=pretrain",
+        "train.global_batch=1024",
+        "optim.warmup_steps=100",
+        "model.seq_length=1024" if model != "tiny" else "model.seq_length=128",
+    )
     accepted = 0
     for cfg in variants(base):
         if not validate(cfg).ok:
@@ -65,7 +102,9 @@ def test_upstream_accepts_every_valid_composition(compose, model, cluster):
         assert transformer.pipeline_model_parallel_size == layout.pp
         assert (transformer.virtual_pipeline_model_parallel_size or 1) == layout.vpp
         assert transformer.num_query_groups == (cfg.model.num_kv_heads or cfg.model.num_attention_heads)
-        assert transformer.recompute_granularity == (None if cfg.recompute.granularity == "none" else cfg.recompute.granularity)
+        assert transformer.recompute_granularity == (
+            None if cfg.recompute.granularity == "none" else cfg.recompute.granularity
+        )
         assert optimizer.use_distributed_optimizer == ddp.use_distributed_optimizer == (cfg.zero.stage == 1)
         assert optimizer.lr == pytest.approx(layout.lr)
     # the matrix must exercise the upstream classes, not just the validator

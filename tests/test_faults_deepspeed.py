@@ -2,17 +2,37 @@
 with dropout on (its random state restored), NaN losses (stop, or skip through DeepSpeed's
 overflow check), and the save interval by the planner's rule. Which checkpoint a run resumed
 from is read from its result.json."""
-import pytest
 
+import pytest
 import training_runs
+from training_runs import (
+    AUTO_INTERVAL,
+    Tolerance,
+    Trained,
+    assert_same_training,
+    check_planned_interval,
+    losses,
+    records,
+)
+
 from toolkit.train import checkpoint as ckpt
-from training_runs import AUTO_INTERVAL, Tolerance, Trained, assert_same_training, check_planned_interval, losses, records
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_processes_left_behind")]
 
-COMMON = ["model=tiny", "backend=deepspeed", "data=synthetic", "precision=fp32", "train.steps=6", "train.global_batch=8",
-          "train.micro_batch=2", "optim.lr=1e-3", "optim.warmup_steps=0", "cluster.gpus_per_node=2",
-          "checkpoint.interval_steps=2", "train.fault.watchdog_timeout_s=120"]
+COMMON = [
+    "model=tiny",
+    "backend=deepspeed",
+    "data=synthetic",
+    "precision=fp32",
+    "train.steps=6",
+    "train.global_batch=8",
+    "train.micro_batch=2",
+    "optim.lr=1e-3",
+    "optim.warmup_steps=0",
+    "cluster.gpus_per_node=2",
+    "checkpoint.interval_steps=2",
+    "train.fault.watchdog_timeout_s=120",
+]
 DROPOUT = ["model.attention_dropout=0.1"]  # Llama-style transformers models have attention dropout only
 LAYOUTS = {"zero3": ["zero=3", *DROPOUT], "pipeline": ["parallel.pp=2", "zero=1", *DROPOUT]}
 EXACT = Tolerance(loss=0.0, grad_norm=0.0, parameters=0.0)
@@ -40,8 +60,14 @@ def test_stopped_pipeline_run_resumes_exactly(tmp_path, uninterrupted):
 
 def test_killed_rank_restarts_and_resumes_exactly(tmp_path, uninterrupted):
     """ZeRO-3: rank 1 dies at step 3, torchrun restarts both ranks, they resume from step 2."""
-    result = run(tmp_path, "restart", *LAYOUTS["zero3"], "train.fault.kill_rank=1", "train.fault.kill_at_step=3",
-                 "train.fault.max_restarts=1")
+    result = run(
+        tmp_path,
+        "restart",
+        *LAYOUTS["zero3"],
+        "train.fault.kill_rank=1",
+        "train.fault.kill_at_step=3",
+        "train.fault.max_restarts=1",
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     restarted = Trained(result.run_dir)
     assert restarted.result["restarts"] == 1 and restarted.result["resumed_from"].endswith("step_00000002")

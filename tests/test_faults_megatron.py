@@ -5,19 +5,39 @@ the planner's rule (the schedule itself: tests/test_save_schedule.py). Which che
 resumed from is read from its result.json. Mutations: a resume that drops the scheduler's state or
 the random state, and one that gives up at a corrupt checkpoint and starts from scratch, are
 caught."""
+
 import shutil
 
 import pytest
-
 import training_runs
+from training_runs import (
+    AUTO_INTERVAL,
+    Tolerance,
+    Trained,
+    assert_same_training,
+    check_planned_interval,
+    losses,
+    records,
+)
+
 from toolkit.train import checkpoint as ckpt
-from training_runs import AUTO_INTERVAL, Tolerance, Trained, assert_same_training, check_planned_interval, losses, records
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_processes_left_behind")]
 
-COMMON = ["model=tiny", "model.vocab_size=50688", "data=synthetic", "precision=fp32", "zero=1", "train.steps=6",
-          "train.global_batch=8", "train.micro_batch=1", "optim.lr=1e-3", "optim.warmup_steps=0", "checkpoint.interval_steps=2",
-          "train.fault.watchdog_timeout_s=120"]  # a rank that hangs ends the job instead of the test
+COMMON = [
+    "model=tiny",
+    "model.vocab_size=50688",
+    "data=synthetic",
+    "precision=fp32",
+    "zero=1",
+    "train.steps=6",
+    "train.global_batch=8",
+    "train.micro_batch=1",
+    "optim.lr=1e-3",
+    "optim.warmup_steps=0",
+    "checkpoint.interval_steps=2",
+    "train.fault.watchdog_timeout_s=120",
+]  # a rank that hangs ends the job instead of the test
 TP2_PP2_VPP2 = ["cluster.gpus_per_node=4", "parallel.tp=2", "parallel.pp=2", "parallel.vpp=2"]
 PP2 = ["cluster.gpus_per_node=2", "parallel.pp=2"]
 # Ten steps with dropout: a resume that restores the weights but not the random state, the data
@@ -42,15 +62,22 @@ def resumed(tmp_path, stopped_dir, *overrides, mutation=None) -> Trained:
 @pytest.fixture(scope="module")
 def uninterrupted(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("uninterrupted")
-    return {"long": training_runs.Trained(run(tmp, "long", *LONG_WITH_DROPOUT).run_dir),
-            "pp2": training_runs.Trained(run(tmp, "pp2", *PP2).run_dir)}
+    return {
+        "long": training_runs.Trained(run(tmp, "long", *LONG_WITH_DROPOUT).run_dir),
+        "pp2": training_runs.Trained(run(tmp, "pp2", *PP2).run_dir),
+    }
 
 
 @pytest.fixture(scope="module")
 def killed_at_step_3(tmp_path_factory):
     """tp2 pp2 vpp2 with dropout: rank 3 dies at the start of step 3 of 10 (the last checkpoint: step 2)."""
-    stopped = run(tmp_path_factory.mktemp("killed"), "run", *LONG_WITH_DROPOUT, "train.fault.kill_rank=3",
-                  "train.fault.kill_at_step=3")
+    stopped = run(
+        tmp_path_factory.mktemp("killed"),
+        "run",
+        *LONG_WITH_DROPOUT,
+        "train.fault.kill_rank=3",
+        "train.fault.kill_at_step=3",
+    )
     assert stopped.returncode != 0 and not (stopped.run_dir / "result.json").exists()
     return stopped.run_dir
 
@@ -89,7 +116,9 @@ def test_resume_into_another_layout(tmp_path, uninterrupted):
 
 
 def test_killed_rank_restarts_and_resumes_exactly(tmp_path, uninterrupted):
-    result = run(tmp_path, "restart", *PP2, "train.fault.kill_rank=1", "train.fault.kill_at_step=3", "train.fault.max_restarts=1")
+    result = run(
+        tmp_path, "restart", *PP2, "train.fault.kill_rank=1", "train.fault.kill_at_step=3", "train.fault.max_restarts=1"
+    )
     assert result.returncode == 0, result.stderr[-3000:]
     restarted = Trained(result.run_dir)
     assert restarted.result["restarts"] == 1 and restarted.result["resumed_from"].endswith("step_00000002")
@@ -99,8 +128,14 @@ def test_killed_rank_restarts_and_resumes_exactly(tmp_path, uninterrupted):
 @pytest.fixture(scope="module")
 def corrupt_newest(tmp_path_factory):
     """A pp2 run whose step-4 checkpoint is damaged after publishing; rank 0 dies at step 5."""
-    stopped = run(tmp_path_factory.mktemp("corrupt"), "run", *PP2, "train.fault.corrupt_checkpoint_at_step=4",
-                  "train.fault.kill_rank=0", "train.fault.kill_at_step=5")
+    stopped = run(
+        tmp_path_factory.mktemp("corrupt"),
+        "run",
+        *PP2,
+        "train.fault.corrupt_checkpoint_at_step=4",
+        "train.fault.kill_rank=0",
+        "train.fault.kill_at_step=5",
+    )
     assert stopped.returncode != 0
     return stopped.run_dir
 
@@ -134,8 +169,16 @@ def test_crash_during_save_leaves_no_checkpoint_marked_good(tmp_path):
 
 
 def test_stalled_rank_is_detected_and_named_within_the_timeout(tmp_path):
-    result = run(tmp_path, "stall", *PP2, "train.fault.stall_rank=1", "train.fault.stall_at_step=3",
-                 "train.fault.stall_seconds=600", "train.fault.watchdog_timeout_s=15", timeout=300)
+    result = run(
+        tmp_path,
+        "stall",
+        *PP2,
+        "train.fault.stall_rank=1",
+        "train.fault.stall_at_step=3",
+        "train.fault.stall_seconds=600",
+        "train.fault.watchdog_timeout_s=15",
+        timeout=300,
+    )
     assert result.returncode != 0
     assert "watchdog" in result.stderr and "rank(s) [1] stuck at step 3" in result.stderr
     assert result.seconds < 120
@@ -153,13 +196,15 @@ def test_nan_loss_stops_with_the_last_good_checkpoint_or_skips_the_step(tmp_path
     steps = records(skipped)
     assert [r["skipped"] for r in steps] == [False, False, True, False, False, False]
     assert steps[2]["lr"] == steps[1]["lr"] and steps[3]["lr"] != steps[2]["lr"]  # the schedule waited a step
-    assert all(l == l for l in losses(skipped)[3:])  # finite again: no NaN reached the weights
+    assert all(x == x for x in losses(skipped)[3:])  # finite again: no NaN reached the weights
 
 
 def test_async_save_resumes_like_the_uninterrupted_run(tmp_path, uninterrupted):
     """The step-4 save is still in flight when rank 0 dies at the start of step 5: it is never
     published, and the run resumes from step 2 with the uninterrupted losses."""
-    stopped = run(tmp_path, "run", *PP2, "checkpoint.async_save=true", "train.fault.kill_rank=0", "train.fault.kill_at_step=5")
+    stopped = run(
+        tmp_path, "run", *PP2, "checkpoint.async_save=true", "train.fault.kill_rank=0", "train.fault.kill_at_step=5"
+    )
     assert stopped.returncode != 0
     root = stopped.run_dir / "checkpoints"
     assert ckpt.find_resumable(root) == root / "step_00000002" and not (root / "step_00000004").exists()

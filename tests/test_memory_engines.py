@@ -2,6 +2,7 @@
 ZeRO 0-3 (transformers model) and megatron-core DDP with and without the distributed optimizer,
 2 CPU ranks each, fp32 and bf16. Measured by counting every live tensor storage after a backward
 (tests/dist/*_model_states.py): one launch per backend measures all its cases, one after another."""
+
 import json
 import os
 import subprocess
@@ -17,8 +18,12 @@ from toolkit.plan.memory import DTYPE_BYTES, stage_memory
 DIST = Path(__file__).parent / "dist"
 SMALL = ["cluster.gpus_per_node=2", "train.global_batch=4", "train.micro_batch=1", "model.seq_length=32"]
 # Small DeepSpeed buckets; every ZeRO-3 parameter partitioned (no persistent small parameters).
-DS_BUCKETS = ["zero.reduce_bucket_size=500000", "zero.allgather_bucket_size=500000",
-              "zero.stage3_param_persistence_threshold=0", "zero.stage3_prefetch_bucket_size=500000"]
+DS_BUCKETS = [
+    "zero.reduce_bucket_size=500000",
+    "zero.allgather_bucket_size=500000",
+    "zero.stage3_param_persistence_threshold=0",
+    "zero.stage3_prefetch_bucket_size=500000",
+]
 TOLERANCE = 0.005  # 0.5%: scalars, RNG states and Megatron's bucket padding
 # bf16 adds the low-precision copies to each stage's fp32 partitioning: checked at both ends.
 DS_CASES = [(0, "fp32"), (1, "fp32"), (2, "fp32"), (3, "fp32"), (0, "bf16"), (3, "bf16")]
@@ -40,8 +45,17 @@ def measure(script: str, cases: list[list[str]], tmp: Path) -> list[dict]:
     (tmp / "cases.json").write_text(json.dumps(cases))
     out = tmp / "bytes.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", str(DIST / script),
-           str(tmp / "cases.json"), str(out)]
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nproc-per-node",
+        "2",
+        str(DIST / script),
+        str(tmp / "cases.json"),
+        str(out),
+    ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
     time.sleep(1)  # no rank outlives the launch (their command lines name `tmp`)
     left = subprocess.run(["pgrep", "-f", str(tmp)], capture_output=True, text=True).stdout.split()

@@ -1,6 +1,7 @@
 """Exact parameter counts equal those of the real model objects: megatron-core GPTModel (built
 on the meta device in a fake process group, per pipeline stage and tensor-parallel shard) and the
 transformers model of the same config."""
+
 import pytest
 import torch
 from megatron_meta import megatron_rank_params
@@ -30,7 +31,9 @@ def test_every_conf_model_is_covered():
     assert {p.stem for p in (conf_dir() / "model").glob("*.yaml")} == set(LAYOUTS)
 
 
-@pytest.mark.parametrize("model,tp,pp,vpp,first,last", CASES, ids=[f"{m}-tp{t}-pp{p}-vpp{v}-{f}-{la}" for m, t, p, v, f, la in CASES])
+@pytest.mark.parametrize(
+    "model,tp,pp,vpp,first,last", CASES, ids=[f"{m}-tp{t}-pp{p}-vpp{v}-{f}-{la}" for m, t, p, v, f, la in CASES]
+)
 def test_stage_params_equal_megatron_gptmodel(compose, model, tp, pp, vpp, first, last):
     cfg = compose(f"model={model}")
     padded = padded_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by, tp)

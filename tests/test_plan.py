@@ -1,5 +1,6 @@
 """The planner's formulas against their published closed forms, the layout search's guarantees,
 and agreement with the layouts practitioners use."""
+
 import json
 import math
 import subprocess
@@ -28,7 +29,7 @@ def test_flops_equal_narayanan_closed_form(compose):
     """Narayanan et al. 2021, eq. 3: 72 B s l h^2 (1 + s/6h + V/12lh) model FLOPs (non-causal),
     96 B s l h^2 (1 + s/6h + V/16lh) with full recompute."""
     m = _gpt(compose, add_bias_linear=False, add_qkv_bias=False)
-    B, s, l, h, V = 64, 2048, m.num_layers, m.hidden_size, 51200
+    B, s, l, h, V = 64, 2048, m.num_layers, m.hidden_size, 51200  # noqa: E741 (the paper's notation)
     flops = step_flops(m, s, B, "full", V, causal=False)
     assert flops.model == pytest.approx(72 * B * s * l * h**2 * (1 + s / (6 * h) + V / (12 * l * h)), rel=1e-12)
     assert flops.hardware == pytest.approx(96 * B * s * l * h**2 * (1 + s / (6 * h) + V / (16 * l * h)), rel=1e-12)
@@ -60,7 +61,9 @@ def test_activations_equal_korthikanti_table_2(compose):
     s, b, h, a, t = 2048, 1, m.hidden_size, m.num_attention_heads, 8
     kw = dict(flash=False)
     assert layer_activation_bytes(m, b, s, 1, False, 2, **kw) == pytest.approx(s * b * h * (34 + 5 * a * s / h))
-    assert layer_activation_bytes(m, b, s, t, False, 2, **kw) == pytest.approx(s * b * h * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert layer_activation_bytes(m, b, s, t, False, 2, **kw) == pytest.approx(
+        s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+    )
     assert layer_activation_bytes(m, b, s, t, True, 2, **kw) == pytest.approx(s * b * h / t * (34 + 5 * a * s / h))
     assert layer_activation_bytes(m, b, s, t, True, 2, recompute="selective", **kw) == pytest.approx(s * b * h / t * 34)
     assert layer_activation_bytes(m, b, s, 1, False, 2, recompute="full", **kw) == pytest.approx(2 * s * b * h)
@@ -86,7 +89,9 @@ def test_checkpoint_intervals():
 
 
 def test_checkpoint_plan_uses_cluster_mtbf_and_rework_bound(compose):
-    cfg = compose("recipe=llama3_405b_16384xh100", "checkpoint.save_seconds=30", "checkpoint.acceptable_rework_minutes=60")
+    cfg = compose(
+        "recipe=llama3_405b_16384xh100", "checkpoint.save_seconds=30", "checkpoint.acceptable_rework_minutes=60"
+    )
     plan = checkpoint_plan(cfg, resolve(cfg), step_seconds=10.0)
     assert plan.job_mtbf_hours == pytest.approx(50_000 / 16384)
     assert plan.recommended_minutes == pytest.approx(min(plan.daly_minutes, 120))
@@ -99,7 +104,9 @@ def _search(compose, *overrides):
 
 
 def test_405b_on_16k_gpus_plans_under_two_seconds_and_every_layout_validates(compose):
-    cfg, result = _search(compose, "model=llama3_405b", "cluster=h100_cluster", "cluster.nodes=2048", "train.global_batch=2048")
+    cfg, result = _search(
+        compose, "model=llama3_405b", "cluster=h100_cluster", "cluster.nodes=2048", "train.global_batch=2048"
+    )
     start = time.perf_counter()
     search(cfg)
     assert time.perf_counter() - start < 2.0
@@ -135,30 +142,60 @@ def test_70b_on_64_h100_keeps_tp_in_the_node_and_pipelines_across_nodes(compose)
 
 
 def test_405b_uses_llama3_tp8_inside_nodes_and_deep_pipeline(compose):
-    _, result = _search(compose, "model=llama3_405b", "cluster=h100_cluster", "cluster.nodes=2048", "train.global_batch=2048")
+    _, result = _search(
+        compose, "model=llama3_405b", "cluster=h100_cluster", "cluster.nodes=2048", "train.global_batch=2048"
+    )
     top = result.ranked[0].layout
     assert top.tp == 8 and top.pp >= 16
 
 
 def test_175b_on_a100_uses_tp_and_pp(compose):
-    _, result = _search(compose, "model=gpt3_175b", "cluster=a100_cluster", "cluster.nodes=192", "train.global_batch=1536")
+    _, result = _search(
+        compose, "model=gpt3_175b", "cluster=a100_cluster", "cluster.nodes=192", "train.global_batch=1536"
+    )
     for c in result.ranked[:3]:
         assert c.layout.tp >= 4 and c.layout.pp >= 4
 
 
 def test_plan_cli_table_and_json(tmp_path):
-    args = [sys.executable, "-m", "toolkit.cli", "plan", "model=llama3_8b", "cluster=8xh100", "train=pretrain",
-            "train.global_batch=128", "precision=bf16"]
+    args = [
+        sys.executable,
+        "-m",
+        "toolkit.cli",
+        "plan",
+        "model=llama3_8b",
+        "cluster=8xh100",
+        "train=pretrain",
+        "train.global_batch=128",
+        "precision=bf16",
+    ]
     text = subprocess.run(args + ["--top", "3"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
     assert text.returncode == 0, text.stderr
     assert "decision path" in text.stdout and "checkpointing" in text.stdout and "MFU" in text.stdout
-    data = json.loads(subprocess.run(args + ["--json"], cwd=tmp_path, capture_output=True, text=True, timeout=120).stdout)
+    data = json.loads(
+        subprocess.run(args + ["--json"], cwd=tmp_path, capture_output=True, text=True, timeout=120).stdout
+    )
     assert len(data["layouts"]) == 10 and data["layouts"][0]["tokens_per_s"] >= data["layouts"][-1]["tokens_per_s"]
     assert data["checkpoint"]["recommended_minutes"] > 0
     # every layout plan prints is one `validate` accepts
     first = data["layouts"][0]["overrides"]
-    check = subprocess.run([sys.executable, "-m", "toolkit.cli", "validate", "model=llama3_8b", "cluster=8xh100", "train=pretrain",
-                            "train.global_batch=128", "precision=bf16", *first], cwd=tmp_path, capture_output=True, text=True)
+    check = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "toolkit.cli",
+            "validate",
+            "model=llama3_8b",
+            "cluster=8xh100",
+            "train=pretrain",
+            "train.global_batch=128",
+            "precision=bf16",
+            *first,
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+    )
     assert check.returncode == 0, check.stderr
     bad = subprocess.run(args + ["--top", "zero"], cwd=tmp_path, capture_output=True, text=True)
     assert bad.returncode == 2 and "--top" in bad.stderr

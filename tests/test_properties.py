@@ -4,6 +4,7 @@ and whatever it accepts, DeepSpeed and megatron-core accept too (and every file 
 The second property draws layouts that satisfy the validator's rules by construction (from each
 model's and cluster's own numbers), so that most of them reach DeepSpeedConfig and megatron-core's
 TransformerConfig; it counts how many do and fails when too few are accepted."""
+
 import logging
 import math
 import os
@@ -25,14 +26,18 @@ from toolkit.plan.validate import ValidationError, check
 
 logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 # CI replays the same examples every run; locally each run explores new ones.
-settings.register_profile("parakit", deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=bool(os.environ.get("CI")))
+settings.register_profile(
+    "parakit", deadline=None, suppress_health_check=[HealthCheck.too_slow], derandomize=bool(os.environ.get("CI"))
+)
 settings.load_profile("parakit")
 
 
 def _group(group: str, schema) -> dict:
     """Every option of a config group, read into its schema dataclass (defaults filled in)."""
-    return {path.stem: OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.load(path)))
-            for path in sorted((conf_dir() / group).glob("*.yaml"))}
+    return {
+        path.stem: OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.load(path)))
+        for path in sorted((conf_dir() / group).glob("*.yaml"))
+    }
 
 
 MODEL = _group("model", ModelConfig)
@@ -47,7 +52,10 @@ BACKENDS = ["megatron", "deepspeed"]
 
 def _opt(key, values):
     """An optional override key=value (omitted when None is drawn)."""
-    return st.one_of(st.none(), values.map(lambda v: f"{key}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}"))
+    return st.one_of(
+        st.none(),
+        values.map(lambda v: f"{key}={'null' if v is None else str(v).lower() if isinstance(v, bool) else v}"),
+    )
 
 
 ANY_OVERRIDES = st.tuples(
@@ -127,8 +135,15 @@ def plausible_overrides(draw):
 
     # Tensor parallel inside a node: whole attention heads, KV heads split or replicated, ffn columns.
     kv = m.num_kv_heads or m.num_attention_heads
-    tps = [d for d in _divisors(gpus) if m.num_attention_heads % d == 0 and (kv % d == 0 or d % kv == 0)
-           and m.ffn_hidden_size % d == 0] if megatron else [1]
+    tps = (
+        [
+            d
+            for d in _divisors(gpus)
+            if m.num_attention_heads % d == 0 and (kv % d == 0 or d % kv == 0) and m.ffn_hidden_size % d == 0
+        ]
+        if megatron
+        else [1]
+    )
     tp = draw(st.sampled_from(tps))
     sequence_parallel = megatron and cuda and tp > 1 and draw(st.booleans())
     cp = draw(st.sampled_from([d for d in (1, 2, 4) if (world // tp) % d == 0])) if megatron and cuda else 1
@@ -139,7 +154,11 @@ def plausible_overrides(draw):
     # are tied or whose attention uses a sliding window.
     pipeline = megatron or not (m.tie_embeddings or m.sliding_window)
     first = last = None
-    pps = [d for d in _divisors(rest) if 2 <= d <= m.num_layers and _uneven_splits(m.num_layers, d, 1)] if megatron else []
+    pps = (
+        [d for d in _divisors(rest) if 2 <= d <= m.num_layers and _uneven_splits(m.num_layers, d, 1)]
+        if megatron
+        else []
+    )
     if pps and draw(st.integers(0, 3)) == 3:  # one in four: uneven first/last stages
         pp = draw(st.sampled_from(pps))
         vpp = draw(st.sampled_from([v for v in (1, 2, 3, 4) if _uneven_splits(m.num_layers, pp, v)]))
@@ -148,8 +167,13 @@ def plausible_overrides(draw):
         pp = draw(st.sampled_from([d for d in _divisors(rest) if m.num_layers % d == 0])) if pipeline else 1
         vpp = draw(st.sampled_from([v for v in _divisors(m.num_layers // pp) if v <= 8])) if megatron and pp > 1 else 1
     dp = rest // pp
-    out += [f"parallel.tp={tp}", f"parallel.pp={pp}", f"parallel.vpp={vpp}", f"parallel.cp={cp}",
-            f"parallel.sequence_parallel={str(sequence_parallel).lower()}"]
+    out += [
+        f"parallel.tp={tp}",
+        f"parallel.pp={pp}",
+        f"parallel.vpp={vpp}",
+        f"parallel.cp={cp}",
+        f"parallel.sequence_parallel={str(sequence_parallel).lower()}",
+    ]
     if first is not None:
         out.append(f"parallel.first_stage_layers={first}")
     if last is not None:
@@ -159,12 +183,33 @@ def plausible_overrides(draw):
 
     # Sequence length: up to what the model supports, split by tp (sequence parallel) and 2*cp.
     step = math.lcm(tp if sequence_parallel else 1, 2 * cp if cp > 1 else 1)
-    seqs = sorted({s for s in (m.seq_length, 100, 128, 200, 256, 1000, 1024, 1500, 2048, 4096, 8192, 32768,
-                               m.max_position_embeddings) if s <= m.max_position_embeddings and s % step == 0})
+    seqs = sorted(
+        {
+            s
+            for s in (
+                m.seq_length,
+                100,
+                128,
+                200,
+                256,
+                1000,
+                1024,
+                1500,
+                2048,
+                4096,
+                8192,
+                32768,
+                m.max_position_embeddings,
+            )
+            if s <= m.max_position_embeddings and s % step == 0
+        }
+    )
     seq = draw(st.sampled_from(seqs))
     out.append(f"model.seq_length={seq}")
     if megatron:
-        out.append(f"model.make_vocab_size_divisible_by={draw(st.sampled_from([128, 64, 1] + [0] * (m.vocab_size % tp == 0)))}")
+        out.append(
+            f"model.make_vocab_size_divisible_by={draw(st.sampled_from([128, 64, 1] + [0] * (m.vocab_size % tp == 0)))}"
+        )
 
     # Batch: global = micro * dp * accum; the interleaved schedule needs accum % pp == 0.
     micro = draw(st.sampled_from([1, 2, 3, 4, 8]))
@@ -176,8 +221,12 @@ def plausible_overrides(draw):
     # ZeRO: megatron shards the optimizer only (zero=1); DeepSpeed's pipeline takes ZeRO <= 1.
     zero = draw(st.sampled_from(ZERO if not megatron and pp == 1 else ["1", "0"]))
     # Precision: what the hardware has; fp16 not on CPU; fp8 through Transformer Engine (megatron).
-    precisions = ["bf16"] * (c.peak_tflops_bf16 > 0) + ["fp32"] + ["fp16"] * (c.peak_tflops_fp16 > 0 and cuda) \
+    precisions = (
+        ["bf16"] * (c.peak_tflops_bf16 > 0)
+        + ["fp32"]
+        + ["fp16"] * (c.peak_tflops_fp16 > 0 and cuda)
         + ["fp8"] * (c.peak_tflops_fp8 > 0 and megatron)
+    )
     precision = draw(st.sampled_from(precisions))
     out += [f"zero={zero}", f"precision={precision}"]
     if precision == "fp16":
@@ -206,8 +255,11 @@ def plausible_overrides(draw):
     else:
         out += ["train.steps=null", f"train.tokens={draw(st.sampled_from([10**9, 10**6, 10**12]))}"]
     scaling = draw(st.sampled_from(["none", "sqrt", "linear"]))
-    out += [f"optim.lr_scaling={scaling}", f"optim.warmup_steps={draw(st.sampled_from([10, 0, 50]))}",
-            f"optim.decay_style={draw(st.sampled_from(['cosine', 'linear', 'constant']))}"]
+    out += [
+        f"optim.lr_scaling={scaling}",
+        f"optim.warmup_steps={draw(st.sampled_from([10, 0, 50]))}",
+        f"optim.decay_style={draw(st.sampled_from(['cosine', 'linear', 'constant']))}",
+    ]
     if scaling != "none" or draw(st.booleans()):
         out.append(f"optim.reference_global_batch={draw(st.sampled_from([256, 1, micro * dp * accum, 4096]))}")
     return out
@@ -233,7 +285,13 @@ def _judge(overrides) -> tuple[str, ...]:
     assert ds.train_batch_size == layout.micro_batch * layout.grad_accum * layout.dp
     transformer, _, _ = megatron_accepts(megatron_sections(cfg, layout))
     assert transformer.num_layers == cfg.model.num_layers
-    assert set(render(cfg, layout)) == {"config.yaml", "deepspeed.json", "megatron.yaml", "megatron_args.txt", "launch.sh"}
+    assert set(render(cfg, layout)) == {
+        "config.yaml",
+        "deepspeed.json",
+        "megatron.yaml",
+        "megatron_args.txt",
+        "launch.sh",
+    }
     return ()
 
 
@@ -267,9 +325,14 @@ def _plausible_mostly_accepted(max_examples: int, every_option: bool) -> None:
     summary = f"{len(accepted)} of {len(verdicts)} plausible configurations accepted (rejected by: {dict(rejected_by)})"
     print(summary)
     assert len(accepted) >= 0.9 * len(verdicts), summary  # valid by construction: a drop means a strategy or rule broke
-    assert len(accepted) >= 0.4 * max_examples, f"{summary}: fewer than 40% of {max_examples} examples reached DeepSpeed and megatron-core"
-    options = {"backend": BACKENDS} | ({"model": MODELS, "cluster": CLUSTERS, "zero": ZERO, "precision": PRECISION,
-                                        "recompute": RECOMPUTE} if every_option else {})
+    assert len(accepted) >= 0.4 * max_examples, (
+        f"{summary}: fewer than 40% of {max_examples} examples reached DeepSpeed and megatron-core"
+    )
+    options = {"backend": BACKENDS} | (
+        {"model": MODELS, "cluster": CLUSTERS, "zero": ZERO, "precision": PRECISION, "recompute": RECOMPUTE}
+        if every_option
+        else {}
+    )
     never = {key: sorted(set(values) - {a[key] for a in accepted}) for key, values in options.items()}
     assert not any(never.values()), f"never accepted: {never}; {summary}"
 

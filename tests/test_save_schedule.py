@@ -1,6 +1,7 @@
 """When training saves (toolkit.train.save_schedule), in one process of world size 1: every N
 steps, every M minutes of wall time, at the planner's interval after the first save, and always
 at the last step."""
+
 import subprocess
 import sys
 import textwrap

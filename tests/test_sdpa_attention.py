@@ -1,6 +1,7 @@
 """torch SDPA as megatron-core's core attention computes what the local unfused attention does
 (causal mask, grouped KV heads), forward and backward (run in a subprocess: it needs the CPU
 compatibility layer)."""
+
 import json
 import subprocess
 import sys

@@ -3,14 +3,24 @@ checkpointing and the 2-stage pipeline reproduce the single-process run -- loss,
 gradient norm at every step, and the final parameters gathered from the checkpoint (fp32, no
 warmup, every parameter updated in the reference run) -- and ZeRO-3 learns on the real corpus.
 Mutation: one layer's MLP never updated in the pipeline run is caught."""
-import pytest
 
+import pytest
 from training_runs import Tolerance, assert_same_training, checkpoint_parameters, train, trained, unmoved_parameters
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_processes_left_behind")]
 
-COMMON = ["model=tiny", "backend=deepspeed", "data=synthetic", "precision=fp32", "train.steps=4", "train.global_batch=8",
-          "train.micro_batch=2", "optim.lr=1e-3", "optim.warmup_steps=0", "checkpoint.interval_steps=4"]
+COMMON = [
+    "model=tiny",
+    "backend=deepspeed",
+    "data=synthetic",
+    "precision=fp32",
+    "train.steps=4",
+    "train.global_batch=8",
+    "train.micro_batch=2",
+    "optim.lr=1e-3",
+    "optim.warmup_steps=0",
+    "checkpoint.interval_steps=4",
+]
 # Measured over 4 steps against the single process: losses within 9.5e-7 (one float32 step at a
 # loss of 10.8: the replicas' means add up in another order), grad norms within 1.2e-7
 # (relative), final parameters within 9.2e-8 RMS. The smallest defect to catch, one layer's MLP
@@ -22,8 +32,15 @@ TOLERANCE = Tolerance(loss=4e-6, grad_norm=1e-4, parameters=1e-6)  # loss: 4 flo
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
     """One process, ZeRO-1 (ZeRO-0 reports no gradient norm); it keeps its step-1 checkpoint too."""
-    return trained(tmp_path_factory.mktemp("reference"), "single", *COMMON, "cluster.gpus_per_node=1", "zero=1",
-                   "checkpoint.interval_steps=1", "checkpoint.keep_last=4")
+    return trained(
+        tmp_path_factory.mktemp("reference"),
+        "single",
+        *COMMON,
+        "cluster.gpus_per_node=1",
+        "zero=1",
+        "checkpoint.interval_steps=1",
+        "checkpoint.keep_last=4",
+    )
 
 
 def test_reference_run_updates_every_parameter_at_every_step(reference):
@@ -51,13 +68,27 @@ def test_layout_reproduces_single_process_training(tmp_path, reference, variant)
 
 @pytest.mark.mutation
 def test_pipeline_parity_catches_a_layer_never_updated(tmp_path, reference):
-    got = trained(tmp_path, "frozen", *COMMON, "cluster.gpus_per_node=2", *VARIANTS["pipeline_pp2"], mutation="frozen_mlp")
+    got = trained(
+        tmp_path, "frozen", *COMMON, "cluster.gpus_per_node=2", *VARIANTS["pipeline_pp2"], mutation="frozen_mlp"
+    )
     with pytest.raises(AssertionError, match="grad norm|loss|final parameters"):
         assert_same_training(reference, got, TOLERANCE)
 
 
 def test_zero3_trains_on_the_corpus(tmp_path):
-    losses = train(tmp_path, "corpus", "model=tiny", "backend=deepspeed", "zero=3", "data=corpus", "precision=fp32",
-                   "cluster.gpus_per_node=2", "train.steps=12", "train.global_batch=8", "train.micro_batch=2",
-                   "optim.lr=3e-3", "optim.warmup_steps=2")
+    losses = train(
+        tmp_path,
+        "corpus",
+        "model=tiny",
+        "backend=deepspeed",
+        "zero=3",
+        "data=corpus",
+        "precision=fp32",
+        "cluster.gpus_per_node=2",
+        "train.steps=12",
+        "train.global_batch=8",
+        "train.micro_batch=2",
+        "optim.lr=3e-3",
+        "optim.warmup_steps=2",
+    )
     assert losses[-1] < losses[0] - 0.3, losses

@@ -6,20 +6,38 @@ every parameter (asserted on the reference run). Layouts share their runs with t
 must change nothing either: selective and full recompute, and one micro-batch per step instead of
 eight accumulated. bf16 and the README demo learn on the real corpus; a wrong layout never starts
 a process. Mutation: doubled gradients in a multi-rank run are caught."""
+
 import subprocess
 import sys
 
 import pytest
-
-from training_runs import Tolerance, assert_same_training, dist_checkpoint_parameters, train, trained, unmoved_parameters
+from training_runs import (
+    Tolerance,
+    assert_same_training,
+    dist_checkpoint_parameters,
+    train,
+    trained,
+    unmoved_parameters,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_processes_left_behind")]
 
 # fp32, synthetic tokens, Adam via the distributed optimizer, a save at the last step to read the
 # parameters from. The vocabulary is pre-padded to a multiple of 128 x 4 so that every tp <= 4
 # pads it identically (Megatron pads to 128 x tp, and padded rows would otherwise differ).
-COMMON = ["model=tiny", "model.vocab_size=50688", "data=synthetic", "precision=fp32", "zero=1", "train.steps=4",
-          "train.global_batch=8", "train.micro_batch=1", "optim.lr=1e-3", "optim.warmup_steps=0", "checkpoint.interval_steps=4"]
+COMMON = [
+    "model=tiny",
+    "model.vocab_size=50688",
+    "data=synthetic",
+    "precision=fp32",
+    "zero=1",
+    "train.steps=4",
+    "train.global_batch=8",
+    "train.micro_batch=1",
+    "optim.lr=1e-3",
+    "optim.warmup_steps=0",
+    "checkpoint.interval_steps=4",
+]
 # Measured over 4 steps: losses within 1.9e-6 (two float32 steps at a loss of 10.8, where one
 # micro-batch of 4 replaces 4 accumulated ones; equal elsewhere); grad norms within 1.1e-5
 # (relative; tp2 pp2 vpp2, whose shards add their partial sums in another order); final
@@ -56,20 +74,35 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layout_reproduces_single_process_training(tmp_path, reference, layout):
     run, init = reference
-    assert_same_training(run, trained(tmp_path, layout, *COMMON, *LAYOUTS[layout], f"train.init_checkpoint={init}"), TOLERANCE)
+    assert_same_training(
+        run, trained(tmp_path, layout, *COMMON, *LAYOUTS[layout], f"train.init_checkpoint={init}"), TOLERANCE
+    )
 
 
 @pytest.mark.mutation
 def test_parity_catches_doubled_gradients(tmp_path, reference):
     run, init = reference
-    got = trained(tmp_path, "doubled", *COMMON, *LAYOUTS["pp2"], f"train.init_checkpoint={init}", mutation="doubled_gradients")
+    got = trained(
+        tmp_path, "doubled", *COMMON, *LAYOUTS["pp2"], f"train.init_checkpoint={init}", mutation="doubled_gradients"
+    )
     with pytest.raises(AssertionError, match="grad norm|loss"):
         assert_same_training(run, got, TOLERANCE)
 
 
 def test_bf16_trains_on_the_corpus(tmp_path):
-    losses = train(tmp_path, "bf16", "model=tiny", "data=corpus", "precision=bf16", "cluster.gpus_per_node=1",
-                   "train.steps=12", "train.global_batch=8", "train.micro_batch=4", "optim.lr=2e-3", "optim.warmup_steps=2")
+    losses = train(
+        tmp_path,
+        "bf16",
+        "model=tiny",
+        "data=corpus",
+        "precision=bf16",
+        "cluster.gpus_per_node=1",
+        "train.steps=12",
+        "train.global_batch=8",
+        "train.micro_batch=4",
+        "optim.lr=2e-3",
+        "optim.warmup_steps=2",
+    )
     assert losses[-1] < losses[0] - 0.3, losses
 
 
@@ -79,8 +112,21 @@ def test_readme_demo_trains_tp2_pp2_vpp2_on_the_corpus(tmp_path):
 
 
 def test_wrong_layout_is_rejected_before_any_process_starts(tmp_path):
-    result = subprocess.run([sys.executable, "-m", "toolkit.cli", "train", "recipe=tiny_cpu_demo", "parallel.tp=3",
-                             f"hydra.run.dir={tmp_path / 'bad'}"], cwd=tmp_path, capture_output=True, text=True, timeout=120)
+    result = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "toolkit.cli",
+            "train",
+            "recipe=tiny_cpu_demo",
+            "parallel.tp=3",
+            f"hydra.run.dir={tmp_path / 'bad'}",
+        ],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert result.returncode == 2
     assert "[world_size]" in result.stderr and "starting" not in result.stdout
     assert not (tmp_path / "bad" / "config.yaml").exists()

@@ -1,5 +1,6 @@
 """The progress watchdog (one process, world size 1): it ends a process that makes no progress
 within its timeout and names the rank, but not while a checkpoint is being written."""
+
 import subprocess
 import sys
 import textwrap

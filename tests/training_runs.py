@@ -1,6 +1,7 @@
 """Helpers of the multi-process training tests: run `parakit train` in a subprocess, read what the
 run left behind (metrics, result.json, the final parameters gathered to full tensors from its
 checkpoint), and compare two runs."""
+
 import copy
 import json
 import math
@@ -20,7 +21,6 @@ from toolkit.config.store import compose_config
 from toolkit.plan.checkpoint import checkpoint_plan
 from toolkit.plan.layout import resolve
 
-
 MUTANTS = Path(__file__).parent / "mutants"
 
 
@@ -31,9 +31,17 @@ def run(tmp_path, name, *overrides, timeout=600, mutation=None):
     started = time.monotonic()
     env = {**os.environ, "PARAKIT_DIST_TIMEOUT_S": "180"}
     if mutation:
-        env.update(PARAKIT_MUTATION=mutation, PYTHONPATH=os.pathsep.join(filter(None, [str(MUTANTS), env.get("PYTHONPATH")])))
-    result = subprocess.run([sys.executable, "-m", "toolkit.cli", "train", *overrides, f"hydra.run.dir={run_dir}"],
-                            cwd=tmp_path, capture_output=True, text=True, timeout=timeout, env=env)
+        env.update(
+            PARAKIT_MUTATION=mutation, PYTHONPATH=os.pathsep.join(filter(None, [str(MUTANTS), env.get("PYTHONPATH")]))
+        )
+    result = subprocess.run(
+        [sys.executable, "-m", "toolkit.cli", "train", *overrides, f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
     result.seconds = time.monotonic() - started
     result.run_dir = run_dir
     return result
@@ -75,15 +83,22 @@ def check_planned_interval(result, *overrides) -> None:
     every, save_seconds, step_seconds = int(found[1]), float(found[2]), float(found[3])
     cfg = compose_config([*overrides, f"checkpoint.save_seconds={save_seconds}"])
     printed_to = 0.0005  # the figures are printed to 3 decimals
-    assert every in {checkpoint_plan(cfg, resolve(cfg), step_seconds + e).recommended_steps for e in (-printed_to, 0, printed_to)}
+    assert every in {
+        checkpoint_plan(cfg, resolve(cfg), step_seconds + e).recommended_steps for e in (-printed_to, 0, printed_to)
+    }
     steps = cfg.train.steps
     assert saved_steps(result) == sorted({1, steps, *range(every, steps + 1, every)})
 
 
 # The planner's interval rule on a short run: a rework bound of 3 s gives, with ~1 s steps, a save
 # every few steps.
-AUTO_INTERVAL = ["checkpoint.interval_steps=null", "checkpoint.auto_interval=true", "checkpoint.keep_last=10",
-                 "train.steps=8", "checkpoint.acceptable_rework_minutes=0.025"]
+AUTO_INTERVAL = [
+    "checkpoint.interval_steps=null",
+    "checkpoint.auto_interval=true",
+    "checkpoint.keep_last=10",
+    "train.steps=8",
+    "checkpoint.acceptable_rework_minutes=0.025",
+]
 
 
 class Trained:
@@ -143,11 +158,16 @@ def dist_checkpoint_parameters(directory: Path) -> dict:
 def _pipeline_parameters(layer_files: list) -> dict:
     """DeepSpeed pipeline layers (toolkit.train.deepspeed_pipe, Llama-style) -> transformers names."""
     last = len(layer_files) - 1
-    names = {0: {"tokens.weight": "model.embed_tokens.weight"}, last: {"norm.weight": "model.norm.weight", "head.weight": "lm_head.weight"}}
+    names = {
+        0: {"tokens.weight": "model.embed_tokens.weight"},
+        last: {"norm.weight": "model.norm.weight", "head.weight": "lm_head.weight"},
+    }
     out = {}
     for index, path in enumerate(layer_files):
         for key, tensor in torch.load(path, weights_only=False).items():
-            out[names[index][key] if index in names else f"model.layers.{index - 1}.{key.removeprefix('layer.')}"] = tensor
+            out[names[index][key] if index in names else f"model.layers.{index - 1}.{key.removeprefix('layer.')}"] = (
+                tensor
+            )
     return out
 
 
@@ -155,7 +175,11 @@ def unmoved_parameters(before: dict, after: dict) -> list[str]:
     """Parameters (each layer of megatron-core's stacked layer tensors on its own) that did not change."""
     unmoved = []
     for name, tensor in after.items():
-        slices = enumerate(zip(before[name], tensor)) if name.startswith("decoder.layers.") else [(None, (before[name], tensor))]
+        slices = (
+            enumerate(zip(before[name], tensor))
+            if name.startswith("decoder.layers.")
+            else [(None, (before[name], tensor))]
+        )
         unmoved += [f"{name}[{i}]" if i is not None else name for i, (a, b) in slices if torch.equal(a, b)]
     return unmoved
 
@@ -177,19 +201,30 @@ def assert_same_training(reference: Trained, got: Trained, tolerance: Tolerance,
     1e-12 into 1e-5 (measured: 20 of 3.2M embedding elements), while the rest agree to 1e-8."""
     assert [r["step"] for r in got.records] == [r["step"] for r in reference.records]
     for ref, rec in zip(reference.records, got.records):
-        assert math.isclose(rec["loss"], ref["loss"], rel_tol=0, abs_tol=tolerance.loss), (rec["step"], "loss", rec["loss"], ref["loss"])
+        assert math.isclose(rec["loss"], ref["loss"], rel_tol=0, abs_tol=tolerance.loss), (
+            rec["step"],
+            "loss",
+            rec["loss"],
+            ref["loss"],
+        )
         assert rec["lr"] == ref["lr"], (rec["step"], "lr", rec["lr"], ref["lr"])
         if grad_norm:
             assert ref["grad_norm"] is not None and rec["grad_norm"] is not None, (rec["step"], "no grad norm")
-            assert math.isclose(rec["grad_norm"], ref["grad_norm"], rel_tol=tolerance.grad_norm), \
-                (rec["step"], "grad norm", rec["grad_norm"], ref["grad_norm"])
+            assert math.isclose(rec["grad_norm"], ref["grad_norm"], rel_tol=tolerance.grad_norm), (
+                rec["step"],
+                "grad norm",
+                rec["grad_norm"],
+                ref["grad_norm"],
+            )
     assert_same_parameters(reference.parameters, got.parameters, tolerance.parameters)
 
 
 def parameter_differences(reference: dict, got: dict) -> dict:
     """Root mean square of the difference, per tensor."""
     assert sorted(got) == sorted(reference)
-    return {name: (got[name].float() - tensor.float()).pow(2).mean().sqrt().item() for name, tensor in reference.items()}
+    return {
+        name: (got[name].float() - tensor.float()).pow(2).mean().sqrt().item() for name, tensor in reference.items()
+    }
 
 
 def assert_same_parameters(reference: dict, got: dict, tolerance: float) -> None:

@@ -1,4 +1,5 @@
 """Let DeepSpeed and megatron-core judge the generated configurations (no process group)."""
+
 from __future__ import annotations
 
 from unittest import mock

@@ -9,6 +9,7 @@ Each command is a Hydra app over conf/: overrides, `--cfg job`, `--help` and mul
 in any Hydra program. Exit codes: 0 ok (warnings allowed), 2 validation errors, 1 composition
 errors (a wrong type, an unknown key or group option; Hydra prints which).
 """
+
 from __future__ import annotations
 
 import sys
@@ -37,10 +38,12 @@ def _summary(cfg, layout) -> str:
     c = cfg.cluster
     return (
         f"{cfg.model.name} on {c.name}: {layout.world_size} x {c.gpu} ({c.nodes} node(s) x {c.gpus_per_node}), "
-        f"backend {cfg.backend.name}, zero {cfg.zero.stage}, {cfg.precision.dtype}, recompute {cfg.recompute.granularity}\n"
+        f"backend {cfg.backend.name}, zero {cfg.zero.stage}, {cfg.precision.dtype}, recompute "
+        f"{cfg.recompute.granularity}\n"
         f"layout: tp={layout.tp} pp={layout.pp} vpp={layout.vpp} cp={layout.cp} dp={layout.dp}"
         f"{' +sequence-parallel' if cfg.parallel.sequence_parallel else ''}\n"
-        f"batch: global {layout.global_batch} = micro {layout.micro_batch} x accum {layout.grad_accum} x dp {layout.dp}; "
+        f"batch: global {layout.global_batch} = micro {layout.micro_batch} x accum {layout.grad_accum} x dp "
+        f"{layout.dp}; "
         f"seq {layout.seq_length}; {layout.steps} steps; pipeline bubble {layout.bubble_fraction:.1%}\n"
         f"lr {layout.lr:.3g} -> {layout.min_lr:.3g} ({cfg.optim.decay_style}, scaling {cfg.optim.lr_scaling}), "
         f"warmup {layout.warmup_steps} steps"

@@ -5,6 +5,7 @@ so every Python process of that run (the launcher, torchrun's ranks) imports thi
 start-up and patches parakit before it runs. Each defect is one a broken layout, converter or
 resume could really have; the test meant to catch it must then fail.
 """
+
 import os
 
 
@@ -88,8 +89,17 @@ def resume_gives_up():
     checkpoint.find_resumable = newest_or_nothing
 
 
-MUTATIONS = {f.__name__: f for f in (frozen_mlp, doubled_gradients, norms_decayed, scheduler_state_dropped, random_state_not_restored,
-                                                 resume_gives_up)}
+MUTATIONS = {
+    f.__name__: f
+    for f in (
+        frozen_mlp,
+        doubled_gradients,
+        norms_decayed,
+        scheduler_state_dropped,
+        random_state_not_restored,
+        resume_gives_up,
+    )
+}
 
 if os.environ.get("PARAKIT_MUTATION"):
     MUTATIONS[os.environ["PARAKIT_MUTATION"]]()

@@ -7,6 +7,7 @@ type (`parallel.tp=abc`) or an unknown key fails at composition.
 Names follow what users of Megatron-LM and DeepSpeed type: `parallel.tp`, `parallel.pp`,
 `parallel.vpp`, `zero=0..3`, `precision=bf16`, `recompute=full`, `train.global_batch`.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -122,7 +123,9 @@ class FaultConfig:
     """Fault handling, and fault injection for tests and drills (injections act on the first
     attempt only, so that a restarted job runs through)."""
 
-    max_restarts: int = 0  # torchrun restarts the ranks this often; each restart resumes from the newest good checkpoint
+    max_restarts: int = (
+        0  # torchrun restarts the ranks this often; each restart resumes from the newest good checkpoint
+    )
     watchdog_timeout_s: Optional[float] = None  # end the job when a rank makes no progress this long
     nan_action: str = "stop"  # on a non-finite loss: skip (the update) | stop (keep the last good checkpoint)
     kill_rank: Optional[int] = None  # this rank dies ...

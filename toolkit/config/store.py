@@ -4,6 +4,7 @@
 merged into the dataclasses of `toolkit.config.schema`: a wrong type or an unknown key fails at
 composition, before the validator runs.
 """
+
 from __future__ import annotations
 
 import os

@@ -8,6 +8,7 @@ No "scheduler" section: none of DeepSpeed's schedulers can express the schedule 
 runs for the same config (toolkit.plan.lr_schedule says why), so the trainer hands DeepSpeed that
 schedule as a client scheduler (deepspeed.initialize(lr_scheduler=...)).
 """
+
 from __future__ import annotations
 
 from toolkit.config.schema import Config
@@ -51,14 +52,16 @@ def _precision_section(cfg: Config) -> dict:
         return {"bf16": {"enabled": True}}
     if pr.dtype == "fp16":
         # DeepSpeed: loss_scale 0 means dynamic scaling starting at 2**initial_scale_power.
-        return {"fp16": {
-            "enabled": True,
-            "loss_scale": 0 if pr.loss_scaling == "dynamic" else pr.loss_scale,
-            "initial_scale_power": pr.initial_scale_power,
-            "loss_scale_window": pr.loss_scale_window,
-            "hysteresis": pr.hysteresis,
-            "min_loss_scale": pr.min_loss_scale,
-        }}
+        return {
+            "fp16": {
+                "enabled": True,
+                "loss_scale": 0 if pr.loss_scaling == "dynamic" else pr.loss_scale,
+                "initial_scale_power": pr.initial_scale_power,
+                "loss_scale_window": pr.loss_scale_window,
+                "hysteresis": pr.hysteresis,
+                "min_loss_scale": pr.min_loss_scale,
+            }
+        }
     return {}
 
 
@@ -73,16 +76,31 @@ def deepspeed_config(cfg: Config, layout: Layout) -> dict:
         "wall_clock_breakdown": False,
         "zero_optimization": _zero_section(cfg),
         **_precision_section(cfg),
-        "optimizer": {"type": "AdamW", "params": {
-            "lr": layout.lr, "betas": [o.beta1, o.beta2], "eps": o.eps, "weight_decay": o.weight_decay,
-            # FusedAdam is a CUDA kernel; on CPU use torch.optim.AdamW (no JIT compile).
-            "torch_adam": cfg.cluster.device == "cpu"}},
+        "optimizer": {
+            "type": "AdamW",
+            "params": {
+                "lr": layout.lr,
+                "betas": [o.beta1, o.beta2],
+                "eps": o.eps,
+                "weight_decay": o.weight_decay,
+                # FusedAdam is a CUDA kernel; on CPU use torch.optim.AdamW (no JIT compile).
+                "torch_adam": cfg.cluster.device == "cpu",
+            },
+        },
     }
     if cfg.recompute.granularity == "full":
         ds["activation_checkpointing"] = {
-            "partition_activations": False, "contiguous_memory_optimization": False, "cpu_checkpointing": False,
-            "number_checkpoints": None, "synchronize_checkpoint_boundary": False, "profile": False}
+            "partition_activations": False,
+            "contiguous_memory_optimization": False,
+            "cpu_checkpointing": False,
+            "number_checkpoints": None,
+            "synchronize_checkpoint_boundary": False,
+            "profile": False,
+        }
     if layout.pp > 1:
-        ds["pipeline"] = {"stages": layout.pp, "partition": "parameters",
-                          "activation_checkpoint_interval": cfg.recompute.num_layers if cfg.recompute.granularity == "full" else 0}
+        ds["pipeline"] = {
+            "stages": layout.pp,
+            "partition": "parameters",
+            "activation_checkpoint_interval": cfg.recompute.num_layers if cfg.recompute.granularity == "full" else 0,
+        }
     return ds

@@ -1,4 +1,5 @@
 """Writes the five generated files of a run directory, each one atomically."""
+
 from __future__ import annotations
 
 import dataclasses

@@ -3,6 +3,7 @@
 parakit never launches processes itself: torchrun does (elastic rendezvous, restarts), under
 Slurm's `srun` with one task per node for multi-node runs, as the PyTorch elastic docs describe.
 """
+
 from __future__ import annotations
 
 from toolkit.config.schema import Config
@@ -20,10 +21,10 @@ def _entry(cfg: Config) -> str:
     if cfg.backend.name == "megatron":
         lines += [
             'if [[ "${PARAKIT_ENTRY:-parakit}" == megatron-lm ]]; then',
-            '  # Megatron-LM checkout: MEGATRON_LM_DIR=/path/to/Megatron-LM',
-            '  # shellcheck disable=SC2046  # one flag and its value per line: split on whitespace',
+            "  # Megatron-LM checkout: MEGATRON_LM_DIR=/path/to/Megatron-LM",
+            "  # shellcheck disable=SC2046  # one flag and its value per line: split on whitespace",
             '  ENTRY=("${MEGATRON_LM_DIR:?set MEGATRON_LM_DIR}/pretrain_gpt.py" $(cat "$RUN_DIR/megatron_args.txt"))',
-            'fi',
+            "fi",
         ]
     return "\n".join(lines)
 
@@ -32,7 +33,8 @@ def launch_script(cfg: Config, layout: Layout) -> str:
     c = cfg.cluster
     header = [
         "#!/usr/bin/env bash",
-        f"# parakit launch: {cfg.model.name} on {c.name} ({c.nodes} node(s) x {c.gpus_per_node} {c.gpu}), backend {cfg.backend.name}",
+        f"# parakit launch: {cfg.model.name} on {c.name} ({c.nodes} node(s) x {c.gpus_per_node} {c.gpu}), backend "
+        f"{cfg.backend.name}",
         f"# layout: tp={layout.tp} pp={layout.pp} vpp={layout.vpp} cp={layout.cp} dp={layout.dp}; "
         f"global batch {layout.global_batch} = micro {layout.micro_batch} x accum {layout.grad_accum} x dp {layout.dp}",
     ]
@@ -60,7 +62,9 @@ def launch_script(cfg: Config, layout: Layout) -> str:
     else:
         body += [
             'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-            f'srun --ntasks-per-node=1 torchrun --nnodes "$SLURM_NNODES" --nproc-per-node {c.gpus_per_node} {restarts} \\',
-            f'  --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:{RDZV_PORT}" --rdzv-id "$SLURM_JOB_ID" "${{ENTRY[@]}}"',
+            f'srun --ntasks-per-node=1 torchrun --nnodes "$SLURM_NNODES" --nproc-per-node {c.gpus_per_node} '
+            f"{restarts} \\",
+            f'  --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:{RDZV_PORT}" --rdzv-id "$SLURM_JOB_ID" '
+            f'"${{ENTRY[@]}}"',
         ]
     return "\n".join(header + body) + "\n"

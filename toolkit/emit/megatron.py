@@ -6,6 +6,7 @@ DistributedDataParallelConfig, the OptimizerParamScheduler arguments, and GPTMod
 `build_megatron_configs` turns the sections into the real megatron-core objects; it is the only
 function here that imports torch and megatron.
 """
+
 from __future__ import annotations
 
 from toolkit.config.schema import Config
@@ -96,7 +97,7 @@ def _optimizer(cfg: Config, layout: Layout) -> dict:
         "fp16": pr.dtype == "fp16",
         "params_dtype": _DTYPE[pr.dtype],
         "loss_scale": pr.loss_scale if static else None,  # None: dynamic
-        "initial_loss_scale": float(2 ** pr.initial_scale_power),
+        "initial_loss_scale": float(2**pr.initial_scale_power),
         "min_loss_scale": pr.min_loss_scale,
         "loss_scale_window": float(pr.loss_scale_window),
         "hysteresis": pr.hysteresis,

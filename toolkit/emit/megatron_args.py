@@ -3,6 +3,7 @@
 Flag names as defined in Megatron-LM `megatron/training/arguments.py` (core_r0.15 and later).
 Built from the same sections as megatron.yaml, so the two cannot disagree.
 """
+
 from __future__ import annotations
 
 from toolkit.config.schema import Config
@@ -11,7 +12,9 @@ from toolkit.plan.layout import Layout
 
 def megatron_args(cfg: Config, layout: Layout, sections: dict) -> list[str]:
     """One flag (with its value) per entry, in pretrain_gpt.py's order of concerns."""
-    mp, tr, opt, ddp, sch, gpt = (sections[k] for k in ("model_parallel", "transformer", "optimizer", "ddp", "scheduler", "gpt_model"))
+    mp, tr, opt, ddp, sch, gpt = (
+        sections[k] for k in ("model_parallel", "transformer", "optimizer", "ddp", "scheduler", "gpt_model")
+    )
     m = cfg.model
     args: list[str] = [
         # model
@@ -45,8 +48,11 @@ def megatron_args(cfg: Config, layout: Layout, sections: dict) -> list[str]:
     if not gpt["share_embeddings_and_output_weights"]:
         args.append("--untie-embeddings-and-output-weights")
     # Megatron-LM pads the tokenizer's vocabulary itself: pass the unpadded size.
-    args += [f"--make-vocab-size-divisible-by {max(1, m.make_vocab_size_divisible_by)}",
-             "--tokenizer-type NullTokenizer", f"--vocab-size {m.vocab_size}"]
+    args += [
+        f"--make-vocab-size-divisible-by {max(1, m.make_vocab_size_divisible_by)}",
+        "--tokenizer-type NullTokenizer",
+        f"--vocab-size {m.vocab_size}",
+    ]
 
     # parallel layout
     args += [f"--tensor-model-parallel-size {layout.tp}", f"--pipeline-model-parallel-size {layout.pp}"]
@@ -75,12 +81,21 @@ def megatron_args(cfg: Config, layout: Layout, sections: dict) -> list[str]:
     args.append(f"--attention-backend {tr['attention_backend']}")
 
     # batch and schedule
-    args += [f"--micro-batch-size {layout.micro_batch}", f"--global-batch-size {layout.global_batch}",
-             f"--train-iters {layout.steps}",
-             f"--lr {opt['lr']}", f"--min-lr {opt['min_lr']}", f"--lr-decay-style {sch['lr_decay_style']}",
-             f"--lr-warmup-iters {sch['lr_warmup_steps']}", f"--lr-decay-iters {sch['lr_decay_steps']}",
-             f"--weight-decay {opt['weight_decay']}", f"--adam-beta1 {opt['adam_beta1']}",
-             f"--adam-beta2 {opt['adam_beta2']}", f"--adam-eps {opt['adam_eps']}", f"--clip-grad {opt['clip_grad']}"]
+    args += [
+        f"--micro-batch-size {layout.micro_batch}",
+        f"--global-batch-size {layout.global_batch}",
+        f"--train-iters {layout.steps}",
+        f"--lr {opt['lr']}",
+        f"--min-lr {opt['min_lr']}",
+        f"--lr-decay-style {sch['lr_decay_style']}",
+        f"--lr-warmup-iters {sch['lr_warmup_steps']}",
+        f"--lr-decay-iters {sch['lr_decay_steps']}",
+        f"--weight-decay {opt['weight_decay']}",
+        f"--adam-beta1 {opt['adam_beta1']}",
+        f"--adam-beta2 {opt['adam_beta2']}",
+        f"--adam-eps {opt['adam_eps']}",
+        f"--clip-grad {opt['clip_grad']}",
+    ]
 
     # precision
     if mp["bf16"]:
@@ -90,8 +105,12 @@ def megatron_args(cfg: Config, layout: Layout, sections: dict) -> list[str]:
         if opt["loss_scale"] is not None:
             args.append(f"--loss-scale {opt['loss_scale']}")
         else:
-            args += [f"--initial-loss-scale {int(opt['initial_loss_scale'])}", f"--min-loss-scale {opt['min_loss_scale']}",
-                     f"--loss-scale-window {int(opt['loss_scale_window'])}", f"--hysteresis {opt['hysteresis']}"]
+            args += [
+                f"--initial-loss-scale {int(opt['initial_loss_scale'])}",
+                f"--min-loss-scale {opt['min_loss_scale']}",
+                f"--loss-scale-window {int(opt['loss_scale_window'])}",
+                f"--hysteresis {opt['hysteresis']}",
+            ]
     if tr["fp8"]:
         args.append(f"--fp8-format {tr['fp8']}")
     if ddp["grad_reduce_in_fp32"] and (mp["bf16"] or mp["fp16"]):

@@ -6,6 +6,7 @@ megatron-core fuses Q, K and V into one linear_qkv whose rows are grouped by KV 
 q_proj/k_proj/v_proj (Llama) or one c_attn of [all q, all k, all v] stored transposed (GPT-2's
 Conv1D). SwiGLU's linear_fc1 holds [gate; up]. The padded vocabulary rows are dropped.
 """
+
 from __future__ import annotations
 
 import torch
@@ -33,8 +34,14 @@ def megatron_to_hf(state: dict, m: ModelConfig) -> dict:
         out["transformer.wpe.weight"] = state["embedding.position_embeddings.weight"]
         for i in range(m.num_layers):
             src, dst = f"decoder.layers.{i}.", f"transformer.h.{i}."
-            out[dst + "ln_1.weight"], out[dst + "ln_1.bias"] = state[src + "input_layernorm.weight"], state[src + "input_layernorm.bias"]
-            out[dst + "ln_2.weight"], out[dst + "ln_2.bias"] = state[src + "pre_mlp_layernorm.weight"], state[src + "pre_mlp_layernorm.bias"]
+            out[dst + "ln_1.weight"], out[dst + "ln_1.bias"] = (
+                state[src + "input_layernorm.weight"],
+                state[src + "input_layernorm.bias"],
+            )
+            out[dst + "ln_2.weight"], out[dst + "ln_2.bias"] = (
+                state[src + "pre_mlp_layernorm.weight"],
+                state[src + "pre_mlp_layernorm.bias"],
+            )
             q, k, v = _split_qkv(state[src + "self_attention.linear_qkv.weight"], m)
             out[dst + "attn.c_attn.weight"] = torch.cat([q, k, v]).t().contiguous()  # Conv1D: [in, out]
             qb, kb, vb = _split_qkv(state[src + "self_attention.linear_qkv.bias"], m)
@@ -45,7 +52,10 @@ def megatron_to_hf(state: dict, m: ModelConfig) -> dict:
             out[dst + "mlp.c_fc.bias"] = state[src + "mlp.linear_fc1.bias"]
             out[dst + "mlp.c_proj.weight"] = state[src + "mlp.linear_fc2.weight"].t().contiguous()
             out[dst + "mlp.c_proj.bias"] = state[src + "mlp.linear_fc2.bias"]
-        out["transformer.ln_f.weight"], out["transformer.ln_f.bias"] = state["decoder.final_layernorm.weight"], state["decoder.final_layernorm.bias"]
+        out["transformer.ln_f.weight"], out["transformer.ln_f.bias"] = (
+            state["decoder.final_layernorm.weight"],
+            state["decoder.final_layernorm.bias"],
+        )
         out["lm_head.weight"] = state.get("output_layer.weight", state["embedding.word_embeddings.weight"])[:vocab]
         return out
     out["model.embed_tokens.weight"] = state["embedding.word_embeddings.weight"][:vocab]
@@ -54,7 +64,11 @@ def megatron_to_hf(state: dict, m: ModelConfig) -> dict:
         out[dst + "input_layernorm.weight"] = state[src + "input_layernorm.weight"]
         out[dst + "post_attention_layernorm.weight"] = state[src + "pre_mlp_layernorm.weight"]
         q, k, v = _split_qkv(state[src + "self_attention.linear_qkv.weight"], m)
-        out[dst + "self_attn.q_proj.weight"], out[dst + "self_attn.k_proj.weight"], out[dst + "self_attn.v_proj.weight"] = q, k, v
+        (
+            out[dst + "self_attn.q_proj.weight"],
+            out[dst + "self_attn.k_proj.weight"],
+            out[dst + "self_attn.v_proj.weight"],
+        ) = q, k, v
         out[dst + "self_attn.o_proj.weight"] = state[src + "self_attention.linear_proj.weight"]
         gate, up = state[src + "mlp.linear_fc1.weight"].chunk(2, dim=0)
         out[dst + "mlp.gate_proj.weight"], out[dst + "mlp.up_proj.weight"] = gate, up

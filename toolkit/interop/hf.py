@@ -1,4 +1,5 @@
 """The Hugging Face transformers config of a parakit model (same architecture, unpadded vocab)."""
+
 from __future__ import annotations
 
 from toolkit.config.schema import ModelConfig
@@ -10,19 +11,35 @@ def hf_config(m: ModelConfig):
         from transformers import GPT2Config
 
         return GPT2Config(
-            vocab_size=m.vocab_size, n_positions=m.max_position_embeddings, n_embd=m.hidden_size, n_layer=m.num_layers,
-            n_head=m.num_attention_heads, n_inner=m.ffn_hidden_size, layer_norm_epsilon=m.norm_epsilon,
-            resid_pdrop=m.hidden_dropout, embd_pdrop=m.hidden_dropout, attn_pdrop=m.attention_dropout,
-            initializer_range=m.init_method_std, tie_word_embeddings=m.tie_embeddings,
-            activation_function="gelu")  # exact (erf) GeLU, as megatron-core's F.gelu
+            vocab_size=m.vocab_size,
+            n_positions=m.max_position_embeddings,
+            n_embd=m.hidden_size,
+            n_layer=m.num_layers,
+            n_head=m.num_attention_heads,
+            n_inner=m.ffn_hidden_size,
+            layer_norm_epsilon=m.norm_epsilon,
+            resid_pdrop=m.hidden_dropout,
+            embd_pdrop=m.hidden_dropout,
+            attn_pdrop=m.attention_dropout,
+            initializer_range=m.init_method_std,
+            tie_word_embeddings=m.tie_embeddings,
+            activation_function="gelu",
+        )  # exact (erf) GeLU, as megatron-core's F.gelu
     common = dict(
-        vocab_size=m.vocab_size, hidden_size=m.hidden_size, intermediate_size=m.ffn_hidden_size,
-        num_hidden_layers=m.num_layers, num_attention_heads=m.num_attention_heads,
+        vocab_size=m.vocab_size,
+        hidden_size=m.hidden_size,
+        intermediate_size=m.ffn_hidden_size,
+        num_hidden_layers=m.num_layers,
+        num_attention_heads=m.num_attention_heads,
         num_key_value_heads=m.num_kv_heads or m.num_attention_heads,
         head_dim=m.head_dim or m.hidden_size // m.num_attention_heads,
-        max_position_embeddings=m.max_position_embeddings, rms_norm_eps=m.norm_epsilon,
+        max_position_embeddings=m.max_position_embeddings,
+        rms_norm_eps=m.norm_epsilon,
         rope_parameters={"rope_type": "default", "rope_theta": m.rotary_base},
-        attention_dropout=m.attention_dropout, initializer_range=m.init_method_std, tie_word_embeddings=m.tie_embeddings)
+        attention_dropout=m.attention_dropout,
+        initializer_range=m.init_method_std,
+        tie_word_embeddings=m.tie_embeddings,
+    )
     if m.family == "qwen2":  # biases on q, k, v only
         from transformers import Qwen2Config
 
@@ -41,11 +58,28 @@ def check_hf_matches(m: ModelConfig, path: str) -> None:
     from transformers import AutoConfig
 
     theirs, ours = AutoConfig.from_pretrained(path), hf_config(m)
-    fields = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads", "num_key_value_heads",
-              "intermediate_size", "n_embd", "n_layer", "n_head", "n_inner")
-    diff = {f: (getattr(theirs, f), getattr(ours, f)) for f in fields
-            if hasattr(ours, f) and getattr(theirs, f, None) != getattr(ours, f)}
+    fields = (
+        "vocab_size",
+        "hidden_size",
+        "num_hidden_layers",
+        "num_attention_heads",
+        "num_key_value_heads",
+        "intermediate_size",
+        "n_embd",
+        "n_layer",
+        "n_head",
+        "n_inner",
+    )
+    diff = {
+        f: (getattr(theirs, f), getattr(ours, f))
+        for f in fields
+        if hasattr(ours, f) and getattr(theirs, f, None) != getattr(ours, f)
+    }
     if diff or type(theirs) is not type(ours):
-        detail = ", ".join(f"{f}: {a} in {path} vs {b} in model" for f, (a, b) in diff.items()) or f"{type(theirs).__name__}"
-        raise ValueError(f"model.hf_path={path} does not match model={m.name} ({detail}); "
-                         "set the model fields to the checkpoint's or choose the matching conf/model")
+        detail = (
+            ", ".join(f"{f}: {a} in {path} vs {b} in model" for f, (a, b) in diff.items()) or f"{type(theirs).__name__}"
+        )
+        raise ValueError(
+            f"model.hf_path={path} does not match model={m.name} ({detail}); "
+            "set the model fields to the checkpoint's or choose the matching conf/model"
+        )

@@ -9,6 +9,7 @@ With save time delta and mean time between failures M of the whole job (per-GPU 
   A failure loses on average half an interval of work: to keep the expected rework under R,
   tau <= 2R.
 """
+
 from __future__ import annotations
 
 import math

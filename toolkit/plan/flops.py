@@ -14,6 +14,7 @@ Hardware FLOPs add the recomputed forward passes: full recompute re-runs each la
 (+1/3 of its FLOPs, Narayanan et al. 2021 eq. 3: 96 instead of 72 B s L h^2); selective
 recompute re-runs only the attention core (Korthikanti et al. 2022, section 5).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -42,11 +43,16 @@ class StepFlops:
         return self.model / self.tokens
 
 
-def step_flops(m: ModelConfig, seq_length: int, global_batch: int, recompute: str = "none",
-               vocab: int | None = None, causal: bool = True) -> StepFlops:
+def step_flops(
+    m: ModelConfig,
+    seq_length: int,
+    global_batch: int,
+    recompute: str = "none",
+    vocab: int | None = None,
+    causal: bool = True,
+) -> StepFlops:
     gemm, core, logits = _forward_per_token(m, seq_length, vocab or m.vocab_size, causal)
     tokens = global_batch * seq_length
     model = 3 * (gemm + core + logits) * tokens
     extra = {"none": 0.0, "selective": core, "full": gemm + core}[recompute]
     return StepFlops(model=model, hardware=model + extra * tokens, tokens=tokens)
-

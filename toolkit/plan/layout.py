@@ -5,6 +5,7 @@ training steps, the rescaled learning rate and warmup, and the pipeline bubble. 
 checks a configuration; `resolve` turns a valid one into a `Layout` that the emitters, the
 planner and the trainer all read, so nothing downstream recomputes these.
 """
+
 from __future__ import annotations
 
 import math
@@ -40,8 +41,9 @@ class Layout:
         return self.grad_accum
 
 
-def stage_layer_counts(num_layers: int, pp: int, vpp: int = 1, first: int | None = None,
-                       last: int | None = None) -> tuple[int, ...] | None:
+def stage_layer_counts(
+    num_layers: int, pp: int, vpp: int = 1, first: int | None = None, last: int | None = None
+) -> tuple[int, ...] | None:
     """Layers on each pipeline stage, as megatron-core splits them (TransformerConfig "Uneven
     PP"): first/last stage counts when given, the rest evenly over the middle stages. Every
     stage's count must divide by vpp. None when the layers do not split so."""
@@ -50,8 +52,13 @@ def stage_layer_counts(num_layers: int, pp: int, vpp: int = 1, first: int | None
     else:
         middle = pp - (first is not None) - (last is not None)
         rest = num_layers - (first or 0) - (last or 0)
-        if (first is not None and first < 1) or (last is not None and last < 1) or rest < 0 \
-                or bool(middle) != bool(rest) or (middle and rest % middle):
+        if (
+            (first is not None and first < 1)
+            or (last is not None and last < 1)
+            or rest < 0
+            or bool(middle) != bool(rest)
+            or (middle and rest % middle)
+        ):
             return None
         each = rest // middle if middle else 0
         counts = [first if first is not None else each] + [each] * (pp - 2) + [last if last is not None else each]
@@ -139,8 +146,9 @@ def resolve(cfg: Config) -> Layout:
         grad_accum=grad_accum,
         seq_length=cfg.model.seq_length,
         # The deepspeed backend trains transformers models, whose embeddings are not padded.
-        padded_vocab_size=cfg.model.vocab_size if cfg.backend.name == "deepspeed" else
-        padded_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by, p.tp),
+        padded_vocab_size=cfg.model.vocab_size
+        if cfg.backend.name == "deepspeed"
+        else padded_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by, p.tp),
         stage_layers=stage_layer_counts(cfg.model.num_layers, p.pp, p.vpp, p.first_stage_layers, p.last_stage_layers),
         steps=steps,
         lr=o.lr * factor,

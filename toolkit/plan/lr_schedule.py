@@ -11,6 +11,7 @@ cosine starts one step past its peak, and the warmup lasts at least 2 steps.
 
 Pure arithmetic: the expressions and their order are megatron-core's, so the floats are equal.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,5 +43,10 @@ class LRSchedule:
 
 def lr_schedule(cfg: Config, layout) -> LRSchedule:
     """The schedule of a resolved layout (learning rate and warmup already rescaled for its batch)."""
-    return LRSchedule(max_lr=layout.lr, min_lr=layout.min_lr, warmup_steps=layout.warmup_steps,
-                      decay_steps=max(layout.decay_steps, layout.warmup_steps + 1), style=cfg.optim.decay_style)
+    return LRSchedule(
+        max_lr=layout.lr,
+        min_lr=layout.min_lr,
+        warmup_steps=layout.warmup_steps,
+        decay_steps=max(layout.decay_steps, layout.warmup_steps + 1),
+        style=cfg.optim.decay_style,
+    )

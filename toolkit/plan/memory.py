@@ -16,6 +16,7 @@ generalised to GQA, SwiGLU, dropout on/off, any dtype and flash attention (which
 s^2 scores). The first pipeline stage holds the most in-flight micro-batches: p for 1F1B, and
 p*v + p - 1 model chunks for interleaved 1F1B (Korthikanti et al. 2022, section 4.2.3).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -44,8 +45,16 @@ class ModelStates:
         return self.weights + self.grads + self.optimizer
 
 
-def model_state_bytes(params: int, dtype: str, backend: str, zero: int, shard: int, grad_reduce_in_fp32: bool = True,
-                      offload_optimizer: bool = False, offload_param: bool = False) -> ModelStates:
+def model_state_bytes(
+    params: int,
+    dtype: str,
+    backend: str,
+    zero: int,
+    shard: int,
+    grad_reduce_in_fp32: bool = True,
+    offload_optimizer: bool = False,
+    offload_param: bool = False,
+) -> ModelStates:
     """Device bytes of parameters, gradients and optimizer states for `params` parameters on a
     rank whose optimizer states are sharded `shard` ways."""
     p = float(params)
@@ -71,8 +80,16 @@ def model_state_bytes(params: int, dtype: str, backend: str, zero: int, shard: i
     return ModelStates(weights, grads, optimizer)
 
 
-def layer_activation_bytes(m: ModelConfig, micro_batch: int, seq: int, tp: int, sp: bool, dtype_bytes: int,
-                           flash: bool = True, recompute: str = "none") -> float:
+def layer_activation_bytes(
+    m: ModelConfig,
+    micro_batch: int,
+    seq: int,
+    tp: int,
+    sp: bool,
+    dtype_bytes: int,
+    flash: bool = True,
+    recompute: str = "none",
+) -> float:
     """Bytes one transformer layer keeps for backward, per micro-batch, on one TP rank."""
     tokens = micro_batch * seq
     h, d = m.hidden_size, head_dim(m)
@@ -83,7 +100,9 @@ def layer_activation_bytes(m: ModelConfig, micro_batch: int, seq: int, tp: int, 
     if recompute == "full":
         return dtype_bytes * tokens * h * replicated  # the layer's input only
     outside = tokens * h * (dtype_bytes * (2 + 1 + 1) + 2 * mask) * replicated  # 2 norm inputs, QKV & MLP inputs
-    inside = tokens * dtype_bytes * ((q + 2 * kv) + q + ffn_in + m.ffn_hidden_size) / tp  # QKV out, proj in, fc1 out, fc2 in
+    inside = (
+        tokens * dtype_bytes * ((q + 2 * kv) + q + ffn_in + m.ffn_hidden_size) / tp
+    )  # QKV out, proj in, fc1 out, fc2 in
     heads = m.num_attention_heads / tp
     if flash or recompute == "selective":
         core = 4 * heads * seq * micro_batch if flash else 0.0  # fp32 log-sum-exp per row
@@ -135,17 +154,29 @@ def stage_memory(cfg: Config, layout: Layout, stage: int, flash: bool | None = N
     params = stage_params(m, layout.padded_vocab_size, layout.tp, layout.pp, stage, layout.stage_layers[stage])
     shard = layout.dp * layout.cp  # Megatron's distributed optimizer and ZeRO shard over DP x CP
     zero_stage = z.stage if cfg.backend.name == "deepspeed" else min(z.stage, 1)
-    states = model_state_bytes(params.total, dtype, cfg.backend.name, zero_stage, shard, cfg.precision.grad_reduce_in_fp32,
-                               z.offload_optimizer != "none", z.offload_param != "none")
+    states = model_state_bytes(
+        params.total,
+        dtype,
+        cfg.backend.name,
+        zero_stage,
+        shard,
+        cfg.precision.grad_reduce_in_fp32,
+        z.offload_optimizer != "none",
+        z.offload_param != "none",
+    )
 
     seq = layout.seq_length // layout.cp
-    per_layer = layer_activation_bytes(m, layout.micro_batch, seq, layout.tp, p.sequence_parallel, nbytes, flash, r.granularity)
+    per_layer = layer_activation_bytes(
+        m, layout.micro_batch, seq, layout.tp, p.sequence_parallel, nbytes, flash, r.granularity
+    )
     layers_per_chunk = layout.stage_layers[stage] // layout.vpp
     chunks = inflight_chunks(layout.pp, layout.vpp, layout.num_microbatches, stage)
     activations = chunks * layers_per_chunk * per_layer
     tokens = layout.micro_batch * seq
     if r.granularity == "full":  # one chunk's layers are live again while recomputed
-        activations += r.num_layers * layer_activation_bytes(m, layout.micro_batch, seq, layout.tp, p.sequence_parallel, nbytes, flash)
+        activations += r.num_layers * layer_activation_bytes(
+            m, layout.micro_batch, seq, layout.tp, p.sequence_parallel, nbytes, flash
+        )
     if stage == 0:  # embedding output kept for the first layer's backward
         activations += chunks * tokens * m.hidden_size * nbytes / (layout.tp if p.sequence_parallel else 1)
 
@@ -159,7 +190,9 @@ def stage_memory(cfg: Config, layout: Layout, stage: int, flash: bool | None = N
         if zero_stage == 3:  # prefetched and live gathered parameters: at least one layer
             buffers += max(z.stage3_prefetch_bucket_size, layer_params(m)) * nbytes
     allowance = FRAGMENTATION * (activations + logits + buffers) + (CUDA_RUNTIME_BYTES if on_gpu else 0.0)
-    return MemoryEstimate(stage, states.weights, states.grads, states.optimizer, activations, logits, buffers, allowance)
+    return MemoryEstimate(
+        stage, states.weights, states.grads, states.optimizer, activations, logits, buffers, allowance
+    )
 
 
 def peak_memory(cfg: Config, layout: Layout) -> MemoryEstimate:

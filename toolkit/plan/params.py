@@ -12,6 +12,7 @@ last stage holds its own copy of the embedding as the output layer (megatron-cor
 `hf_model_params` counts the Hugging Face transformers model of the same config (unpadded vocab,
 no sharding).
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -74,8 +75,9 @@ class StageParams:
         return self.embedding + self.transformer + self.final_norm + self.output
 
 
-def stage_params(m: ModelConfig, padded_vocab: int, tp: int = 1, pp: int = 1, stage: int = 0,
-                 layers: int | None = None) -> StageParams:
+def stage_params(
+    m: ModelConfig, padded_vocab: int, tp: int = 1, pp: int = 1, stage: int = 0, layers: int | None = None
+) -> StageParams:
     """One rank's parameters at pipeline `stage`, holding `layers` transformer layers (default:
     an even split). Virtual chunks change which layers a rank holds, not how many."""
     first, last = stage == 0, stage == pp - 1
@@ -90,8 +92,9 @@ def stage_params(m: ModelConfig, padded_vocab: int, tp: int = 1, pp: int = 1, st
     )
 
 
-def all_stage_params(m: ModelConfig, padded_vocab: int, tp: int = 1, pp: int = 1,
-                     stage_layers: tuple[int, ...] | None = None) -> list[StageParams]:
+def all_stage_params(
+    m: ModelConfig, padded_vocab: int, tp: int = 1, pp: int = 1, stage_layers: tuple[int, ...] | None = None
+) -> list[StageParams]:
     layers = stage_layers or (m.num_layers // pp,) * pp
     return [stage_params(m, padded_vocab, tp, pp, s, layers[s]) for s in range(pp)]
 
@@ -105,4 +108,3 @@ def model_params(m: ModelConfig, vocab: int | None = None) -> int:
 def hf_model_params(m: ModelConfig) -> int:
     """The transformers model of this config: unpadded vocabulary, one copy of tied weights."""
     return model_params(m, m.vocab_size)
-

@@ -13,6 +13,7 @@ GPU (Patarasuk & Yuan 2009); overlapped with the last micro-batch's backward whe
 overlaps (Megatron overlap_grad_reduce / DeepSpeed overlap_comm). ZeRO-3 gathers parameters for
 every micro-batch's forward and backward (Rajbhandari et al. 2020, section 7.2.2), prefetched.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass
@@ -62,8 +63,12 @@ def shape_efficiency(*dims: float) -> float:
 
 def peak_flops(cfg: Config) -> float:
     c, dtype = cfg.cluster, cfg.precision.dtype
-    tflops = {"fp32": c.peak_tflops_fp32, "bf16": c.peak_tflops_bf16, "fp16": c.peak_tflops_fp16,
-              "fp8": c.peak_tflops_fp8}[dtype]
+    tflops = {
+        "fp32": c.peak_tflops_fp32,
+        "bf16": c.peak_tflops_bf16,
+        "fp16": c.peak_tflops_fp16,
+        "fp8": c.peak_tflops_fp8,
+    }[dtype]
     return tflops * 1e12
 
 
@@ -139,11 +144,15 @@ def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
     heads = m.num_attention_heads / tp
     if cfg.train.attention_backend == "flash":  # skips the masked half of the causal scores
         block = seq / (2 * cp) if cp > 1 else tokens  # context parallel attends in 2*cp chunks
-        core_fwd = 2 * 2 * tokens * seq * (q / tp) * 0.5 / (core_peak * ATTENTION_EFFICIENCY * shape_efficiency(block, d))
+        core_fwd = (
+            2 * 2 * tokens * seq * (q / tp) * 0.5 / (core_peak * ATTENTION_EFFICIENCY * shape_efficiency(block, d))
+        )
     else:  # batched GEMMs per head over all s^2 scores, softmax through HBM (2 passes fwd, 3 bwd / 3)
         core_fwd = 2 * 2 * tokens * seq * (q / tp) / (core_peak * shape_efficiency(seq, seq, d))
         core_fwd += 5 / 3 * heads * tokens * seq * nbytes / hbm
-    elementwise = ELEMENTWISE_TRAFFIC[cfg.backend.name] * _elementwise_bytes(m, tokens, tp, p.sequence_parallel, nbytes) / hbm
+    elementwise = (
+        ELEMENTWISE_TRAFFIC[cfg.backend.name] * _elementwise_bytes(m, tokens, tp, p.sequence_parallel, nbytes) / hbm
+    )
     tp_bw = c.intra_node_bandwidth_gbs if tp <= c.gpus_per_node else c.inter_node_bandwidth_gbs
     tp_collective = _ring_time(tokens * h * nbytes, tp, tp_bw, 2.0)
     collectives = 4 + (2 if recompute == "full" else 0)
@@ -160,7 +169,10 @@ def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
 
     # --- per micro-batch on the slowest stage (the last one adds the logits)
     vocab_shard = layout.padded_vocab_size / tp
-    logits = 3 * 2 * tokens * h * vocab_shard / (peak * shape_efficiency(tokens, vocab_shard, h)) + 4 * tokens * vocab_shard * 4 / hbm
+    logits = (
+        3 * 2 * tokens * h * vocab_shard / (peak * shape_efficiency(tokens, vocab_shard, h))
+        + 4 * tokens * vocab_shard * 4 / hbm
+    )
     stage_times = [n * layer for n in layout.stage_layers]
     stage_times[-1] += logits
     slowest = max(range(pp), key=stage_times.__getitem__)
@@ -182,7 +194,11 @@ def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
     shard = dp * cp
     params = max(s.total for s in all_stage_params(m, layout.padded_vocab_size, tp, pp, layout.stage_layers))
     dp_bw = c.inter_node_bandwidth_gbs if _spans_nodes(cfg, shard, tp) else c.intra_node_bandwidth_gbs
-    grad_bytes = params * (4 if cfg.precision.dtype == "fp32" or (cfg.backend.name == "megatron" and cfg.precision.grad_reduce_in_fp32) else nbytes)
+    grad_bytes = params * (
+        4
+        if cfg.precision.dtype == "fp32" or (cfg.backend.name == "megatron" and cfg.precision.grad_reduce_in_fp32)
+        else nbytes
+    )
     overlap = 1.0 if c.device == "cuda" else 0.0
     backward_window = (2 / 3) * per_microbatch * 0.9 * overlap  # the last bucket is never overlapped
     forward_window = (1 / 3) * per_microbatch * overlap
@@ -217,7 +233,15 @@ def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
     flops = step_flops(m, seq, layout.global_batch, recompute, layout.padded_vocab_size)
     world = layout.world_size
     return StepEstimate(
-        step_time=step, compute=compute, bubble=bubble, tp_comm=num_mb * tp_per_microbatch, pp_comm=pp_comm,
-        dp_comm=dp_comm, optimizer=optimizer, tokens_per_s=flops.tokens / step,
-        tflops_per_gpu=flops.model / step / world / 1e12, mfu=flops.model / step / world / mfu_peak_flops(cfg),
-        hfu=flops.hardware / step / world / mfu_peak_flops(cfg))
+        step_time=step,
+        compute=compute,
+        bubble=bubble,
+        tp_comm=num_mb * tp_per_microbatch,
+        pp_comm=pp_comm,
+        dp_comm=dp_comm,
+        optimizer=optimizer,
+        tokens_per_s=flops.tokens / step,
+        tflops_per_gpu=flops.model / step / world / 1e12,
+        mfu=flops.model / step / world / mfu_peak_flops(cfg),
+        hfu=flops.hardware / step / world / mfu_peak_flops(cfg),
+    )

@@ -1,5 +1,6 @@
 """`parakit plan`: the configured layout's estimate, the layout search, the seed's decision path
 and the checkpoint interval, as a table for people or JSON for machines."""
+
 from __future__ import annotations
 
 import json
@@ -14,14 +15,44 @@ from toolkit.plan.perf import estimate_step
 from toolkit.plan.search import Candidate, decision_path, search
 from toolkit.plan.validate import validate
 
-_COLUMNS = ("#", "tp", "pp", "vpp", "cp", "dp", "mbs", "zero", "recompute", "mem GiB", "bubble", "comm", "tok/s", "TFLOP/s", "MFU")
+_COLUMNS = (
+    "#",
+    "tp",
+    "pp",
+    "vpp",
+    "cp",
+    "dp",
+    "mbs",
+    "zero",
+    "recompute",
+    "mem GiB",
+    "bubble",
+    "comm",
+    "tok/s",
+    "TFLOP/s",
+    "MFU",
+)
 
 
 def _row(rank: int, c: Candidate) -> tuple:
     d = c.describe()
-    return (rank, d["tp"], d["pp"], d["vpp"], d["cp"], c.layout.dp, d["micro_batch"], d["zero"], d["recompute"],
-            f"{d['memory_gib']:.1f}", f"{d['bubble']:.1%}", f"{d['comm_share']:.0%}", f"{d['tokens_per_s']:,.0f}",
-            f"{d['tflops_per_gpu']:.0f}", f"{d['mfu']:.1%}")
+    return (
+        rank,
+        d["tp"],
+        d["pp"],
+        d["vpp"],
+        d["cp"],
+        c.layout.dp,
+        d["micro_batch"],
+        d["zero"],
+        d["recompute"],
+        f"{d['memory_gib']:.1f}",
+        f"{d['bubble']:.1%}",
+        f"{d['comm_share']:.0%}",
+        f"{d['tokens_per_s']:,.0f}",
+        f"{d['tflops_per_gpu']:.0f}",
+        f"{d['mfu']:.1%}",
+    )
 
 
 def _table(rows: list[tuple]) -> str:
@@ -36,8 +67,12 @@ def configured_estimate(cfg: Config) -> dict:
         return {"valid": False, "errors": [str(e) for e in report.errors]}
     layout = resolve(cfg)
     step, memory = estimate_step(cfg, layout), peak_memory(cfg, layout)
-    return {"valid": True, "candidate": Candidate(cfg, layout, memory, step).describe(),
-            "fits": memory.total <= cfg.cluster.gpu_memory_gb * 1e9, "warnings": [str(w) for w in report.warnings]}
+    return {
+        "valid": True,
+        "candidate": Candidate(cfg, layout, memory, step).describe(),
+        "fits": memory.total <= cfg.cluster.gpu_memory_gb * 1e9,
+        "warnings": [str(w) for w in report.warnings],
+    }
 
 
 def plan_command(cfg: Config, top: int = 10, as_json: bool = False) -> int:
@@ -55,12 +90,23 @@ def plan_command(cfg: Config, top: int = 10, as_json: bool = False) -> int:
 
 def _print_json(cfg, result, path, configured, ckpt, top) -> None:
     out = {
-        "model": cfg.model.name, "parameters": model_params(cfg.model), "cluster": cfg.cluster.name,
-        "gpus": world_size(cfg), "global_batch": cfg.train.global_batch, "seq_length": cfg.model.seq_length,
-        "precision": cfg.precision.dtype, "backend": cfg.backend.name,
-        "configured": configured, "decision_path": path,
+        "model": cfg.model.name,
+        "parameters": model_params(cfg.model),
+        "cluster": cfg.cluster.name,
+        "gpus": world_size(cfg),
+        "global_batch": cfg.train.global_batch,
+        "seq_length": cfg.model.seq_length,
+        "precision": cfg.precision.dtype,
+        "backend": cfg.backend.name,
+        "configured": configured,
+        "decision_path": path,
         "layouts": [c.describe() for c in result.ranked[:top]],
-        "search": {"considered": result.considered, "valid": result.valid, "fitting": result.fitting, "seconds": result.seconds},
+        "search": {
+            "considered": result.considered,
+            "valid": result.valid,
+            "fitting": result.fitting,
+            "seconds": result.seconds,
+        },
         "checkpoint": ckpt.__dict__ | {"overhead": ckpt.overhead} if ckpt else None,
     }
     print(json.dumps(out, indent=2, default=float))
@@ -68,14 +114,19 @@ def _print_json(cfg, result, path, configured, ckpt, top) -> None:
 
 def _print_text(cfg, result, path, configured, ckpt, top) -> None:
     c = cfg.cluster
-    print(f"{cfg.model.name} ({model_params(cfg.model) / 1e9:.2f}B parameters) on {c.name}: {world_size(cfg)} x {c.gpu} "
-          f"({c.gpu_memory_gb:g} GB), global batch {cfg.train.global_batch} x {cfg.model.seq_length} tokens, "
-          f"{cfg.precision.dtype}, backend {cfg.backend.name}")
+    print(
+        f"{cfg.model.name} ({model_params(cfg.model) / 1e9:.2f}B parameters) on {c.name}: {world_size(cfg)} x {c.gpu} "
+        f"({c.gpu_memory_gb:g} GB), global batch {cfg.train.global_batch} x {cfg.model.seq_length} tokens, "
+        f"{cfg.precision.dtype}, backend {cfg.backend.name}"
+    )
     if configured["valid"]:
         d = configured["candidate"]
-        print(f"\nconfigured layout: tp={d['tp']} pp={d['pp']} vpp={d['vpp']} cp={d['cp']} micro {d['micro_batch']}, "
-              f"zero {d['zero']}, recompute {d['recompute']}: {d['memory_gib']:.1f} GiB per GPU "
-              f"({'fits' if configured['fits'] else 'DOES NOT FIT'}), {d['tokens_per_s']:,.0f} tokens/s, MFU {d['mfu']:.1%}")
+        print(
+            f"\nconfigured layout: tp={d['tp']} pp={d['pp']} vpp={d['vpp']} cp={d['cp']} micro {d['micro_batch']}, "
+            f"zero {d['zero']}, recompute {d['recompute']}: {d['memory_gib']:.1f} GiB per GPU "
+            f"({'fits' if configured['fits'] else 'DOES NOT FIT'}), {d['tokens_per_s']:,.0f} tokens/s, MFU "
+            f"{d['mfu']:.1%}"
+        )
         print("  memory: " + ", ".join(f"{k} {v:.1f}" for k, v in d["memory_breakdown_gib"].items()) + " GiB")
     else:
         print("\nconfigured layout is not valid (the search below ignores it):")
@@ -97,10 +148,16 @@ def _print_text(cfg, result, path, configured, ckpt, top) -> None:
         print(f"\nuse #1: parakit generate {' '.join(rows[0].overrides())} [your model/cluster/batch overrides]")
     if ckpt:
         source = "measured" if ckpt.save_measured else "estimated"
-        print(f"\ncheckpointing (layout #1): save {ckpt.save_seconds:.0f} s ({source}); job MTBF {ckpt.job_mtbf_hours:.1f} h "
-              f"({c.gpu_mtbf_hours:g} h per GPU / {world_size(cfg)}); Young {ckpt.young_minutes:.1f} min, "
-              f"Daly {ckpt.daly_minutes:.1f} min, rework bound {ckpt.rework_bound_minutes:.0f} min -> every "
-              f"{ckpt.recommended_minutes:.1f} min" + (f" (~{ckpt.recommended_steps} steps)" if ckpt.recommended_steps else "")
-              + f", {ckpt.overhead:.1%} of the time spent saving")
-    print(f"\nsearched {result.considered} layouts: {result.valid} valid, {result.fitting} fit; {result.seconds:.2f} s",
-          file=sys.stderr)
+        print(
+            f"\ncheckpointing (layout #1): save {ckpt.save_seconds:.0f} s ({source}); job MTBF "
+            f"{ckpt.job_mtbf_hours:.1f} h "
+            f"({c.gpu_mtbf_hours:g} h per GPU / {world_size(cfg)}); Young {ckpt.young_minutes:.1f} min, "
+            f"Daly {ckpt.daly_minutes:.1f} min, rework bound {ckpt.rework_bound_minutes:.0f} min -> every "
+            f"{ckpt.recommended_minutes:.1f} min"
+            + (f" (~{ckpt.recommended_steps} steps)" if ckpt.recommended_steps else "")
+            + f", {ckpt.overhead:.1%} of the time spent saving"
+        )
+    print(
+        f"\nsearched {result.considered} layouts: {result.valid} valid, {result.fitting} fit; {result.seconds:.2f} s",
+        file=sys.stderr,
+    )

@@ -8,6 +8,7 @@ When predicted throughputs tie (within 1%), the simpler layout wins, in the seed
 preference (shared/SEED-DIGEST.md section 5): shard state first, then recompute, and split the
 model (tp, pp, cp) last.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -50,40 +51,72 @@ class Candidate:
     def describe(self) -> dict:
         lay, c = self.layout, self.cfg
         return {
-            "tp": lay.tp, "pp": lay.pp, "vpp": lay.vpp, "cp": lay.cp, "dp": lay.dp, "micro_batch": lay.micro_batch,
-            "first_stage_layers": c.parallel.first_stage_layers, "last_stage_layers": c.parallel.last_stage_layers,
-            "sequence_parallel": c.parallel.sequence_parallel, "zero": c.zero.stage, "recompute": c.recompute.granularity,
-            "memory_gib": self.memory.total / GIB, "memory_breakdown_gib": self.memory.as_gib(),
-            "bubble": self.step.bubble / self.step.step_time, "comm_share": self.step.comm_share,
-            "step_time_s": self.step.step_time, "tokens_per_s": self.step.tokens_per_s,
-            "tflops_per_gpu": self.step.tflops_per_gpu, "mfu": self.step.mfu, "reason": self.reason(),
+            "tp": lay.tp,
+            "pp": lay.pp,
+            "vpp": lay.vpp,
+            "cp": lay.cp,
+            "dp": lay.dp,
+            "micro_batch": lay.micro_batch,
+            "first_stage_layers": c.parallel.first_stage_layers,
+            "last_stage_layers": c.parallel.last_stage_layers,
+            "sequence_parallel": c.parallel.sequence_parallel,
+            "zero": c.zero.stage,
+            "recompute": c.recompute.granularity,
+            "memory_gib": self.memory.total / GIB,
+            "memory_breakdown_gib": self.memory.as_gib(),
+            "bubble": self.step.bubble / self.step.step_time,
+            "comm_share": self.step.comm_share,
+            "step_time_s": self.step.step_time,
+            "tokens_per_s": self.step.tokens_per_s,
+            "tflops_per_gpu": self.step.tflops_per_gpu,
+            "mfu": self.step.mfu,
+            "reason": self.reason(),
             "overrides": self.overrides(),
         }
 
     def overrides(self) -> list[str]:
         """The Hydra overrides that select this layout (for `parakit generate`)."""
         lay, c = self.layout, self.cfg
-        out = [f"parallel.tp={lay.tp}", f"parallel.pp={lay.pp}", f"parallel.vpp={lay.vpp}", f"parallel.cp={lay.cp}",
-               f"parallel.sequence_parallel={str(c.parallel.sequence_parallel).lower()}", f"train.micro_batch={lay.micro_batch}",
-               f"zero={c.zero.stage}", f"recompute={c.recompute.granularity}"]
+        out = [
+            f"parallel.tp={lay.tp}",
+            f"parallel.pp={lay.pp}",
+            f"parallel.vpp={lay.vpp}",
+            f"parallel.cp={lay.cp}",
+            f"parallel.sequence_parallel={str(c.parallel.sequence_parallel).lower()}",
+            f"train.micro_batch={lay.micro_batch}",
+            f"zero={c.zero.stage}",
+            f"recompute={c.recompute.granularity}",
+        ]
         if c.parallel.first_stage_layers is not None:
-            out += [f"parallel.first_stage_layers={c.parallel.first_stage_layers}",
-                    f"parallel.last_stage_layers={c.parallel.last_stage_layers}"]
+            out += [
+                f"parallel.first_stage_layers={c.parallel.first_stage_layers}",
+                f"parallel.last_stage_layers={c.parallel.last_stage_layers}",
+            ]
         return out
 
     def reason(self) -> str:
         lay, c, step = self.layout, self.cfg, self.step
         parts = []
         if lay.tp > 1:
-            parts.append(f"tp={lay.tp} inside the node" if lay.tp <= c.cluster.gpus_per_node else f"tp={lay.tp} across nodes")
+            parts.append(
+                f"tp={lay.tp} inside the node" if lay.tp <= c.cluster.gpus_per_node else f"tp={lay.tp} across nodes"
+            )
         if lay.pp > 1:
-            parts.append(f"pp={lay.pp}{f' x vpp={lay.vpp}' if lay.vpp > 1 else ''}, bubble {step.bubble / step.step_time:.0%}")
+            parts.append(
+                f"pp={lay.pp}{f' x vpp={lay.vpp}' if lay.vpp > 1 else ''}, bubble {step.bubble / step.step_time:.0%}"
+            )
         if lay.cp > 1:
             parts.append(f"cp={lay.cp} for {lay.seq_length}-token sequences")
         if not parts:
             parts.append("pure data parallel")
-        saving = [f"ZeRO-{c.zero.stage}" if c.backend.name == "deepspeed" and c.zero.stage else
-                  "distributed optimizer" if c.zero.stage == 1 else "", "" if c.recompute.granularity == "none" else f"{c.recompute.granularity} recompute"]
+        saving = [
+            f"ZeRO-{c.zero.stage}"
+            if c.backend.name == "deepspeed" and c.zero.stage
+            else "distributed optimizer"
+            if c.zero.stage == 1
+            else "",
+            "" if c.recompute.granularity == "none" else f"{c.recompute.granularity} recompute",
+        ]
         saving = [s for s in saving if s]
         used = self.memory.total / (c.cluster.gpu_memory_gb * 1e9)
         tail = f"{used:.0%} of memory" + (f" with {' + '.join(saving)}" if saving else "")
@@ -105,7 +138,9 @@ def _tp_options(cfg: Config) -> list[int]:
     m, gpn = cfg.model, cfg.cluster.gpus_per_node
     kv = m.num_kv_heads or m.num_attention_heads
     tps = [2**i for i in range(int(math.log2(gpn)) + 1) if gpn % 2**i == 0]
-    return [t for t in tps if m.num_attention_heads % t == 0 and (kv % t == 0 or t % kv == 0) and m.ffn_hidden_size % t == 0]
+    return [
+        t for t in tps if m.num_attention_heads % t == 0 and (kv % t == 0 or t % kv == 0) and m.ffn_hidden_size % t == 0
+    ]
 
 
 def _stage_splits(num_layers: int, pp: int, vpp: int) -> list[tuple[int | None, int | None]]:
@@ -129,11 +164,11 @@ def candidate_configs(cfg: Config):
     megatron = cfg.backend.name == "megatron"
     zeros = (0, 1) if megatron else (0, 1, 2, 3)
     recomputes = ("none", "selective", "full") if megatron else ("none", "full")
-    for tp in (_tp_options(cfg) if megatron else [1]):
+    for tp in _tp_options(cfg) if megatron else [1]:
         for pp in (d for d in range(1, min(world // tp, m.num_layers) + 1) if (world // tp) % d == 0):
-            for vpp in (VPPS if megatron and pp > 1 else (1,)):
+            for vpp in VPPS if megatron and pp > 1 else (1,):
                 for first, last in _stage_splits(m.num_layers, pp, vpp):
-                    for cp in (CPS if megatron and m.seq_length >= 8192 else (1,)):
+                    for cp in CPS if megatron and m.seq_length >= 8192 else (1,):
                         if world % (tp * pp * cp) or m.seq_length % (2 * cp) and cp > 1:
                             continue
                         dp = world // (tp * pp * cp)
@@ -143,17 +178,32 @@ def candidate_configs(cfg: Config):
                             accum = t.global_batch // (micro * dp)
                             if vpp > 1 and accum % pp:
                                 continue
-                            parallel = dataclasses.replace(cfg.parallel, tp=tp, pp=pp, vpp=vpp, cp=cp, dp=None,
-                                                           sequence_parallel=megatron and tp > 1,
-                                                           first_stage_layers=first, last_stage_layers=last)
+                            parallel = dataclasses.replace(
+                                cfg.parallel,
+                                tp=tp,
+                                pp=pp,
+                                vpp=vpp,
+                                cp=cp,
+                                dp=None,
+                                sequence_parallel=megatron and tp > 1,
+                                first_stage_layers=first,
+                                last_stage_layers=last,
+                            )
                             train = dataclasses.replace(t, micro_batch=micro, grad_accum=None)
                             for zero, recompute in itertools.product(zeros, recomputes):
                                 if not megatron and zero >= 2 and pp > 1:
                                     continue
                                 yield dataclasses.replace(
-                                    cfg, parallel=parallel, train=train,
-                                    zero=dataclasses.replace(cfg.zero, stage=zero, offload_optimizer="none", offload_param="none"),
-                                    recompute=dataclasses.replace(cfg.recompute, granularity=recompute, method="uniform", num_layers=1))
+                                    cfg,
+                                    parallel=parallel,
+                                    train=train,
+                                    zero=dataclasses.replace(
+                                        cfg.zero, stage=zero, offload_optimizer="none", offload_param="none"
+                                    ),
+                                    recompute=dataclasses.replace(
+                                        cfg.recompute, granularity=recompute, method="uniform", num_layers=1
+                                    ),
+                                )
 
 
 def search(cfg: Config) -> SearchResult:
@@ -192,13 +242,18 @@ def decision_path(cfg: Config, result: SearchResult) -> list[str]:
         lines.append(f"fits on one GPU (with {_savings(dp_only[0])}) -> data parallel over all {world} GPUs")
         path = dp_only
     elif in_node:
-        lines.append(f"does not fit on one GPU even with ZeRO and recompute; fits in one node -> tensor parallel inside the node (tp<={gpn})")
+        lines.append(
+            "does not fit on one GPU even with ZeRO and recompute; fits in one node -> tensor parallel inside the "
+            f"node (tp<={gpn})"
+        )
         path = in_node
     else:
         lines.append("does not fit in one node -> tensor parallel inside the node, pipeline stages across nodes")
         path = fitting
     if not fitting:
-        lines.append("no layout fits: add GPUs, lower train.micro_batch is already 1, or use a lower precision / ZeRO-3 offload")
+        lines.append(
+            "no layout fits: add GPUs, lower train.micro_batch is already 1, or use a lower precision / ZeRO-3 offload"
+        )
         return lines
     top, simple = fitting[0], path[0]
     if top is simple:
@@ -208,12 +263,17 @@ def decision_path(cfg: Config, result: SearchResult) -> list[str]:
         why = []
         if simple.step.comm_share > top.step.comm_share + 0.05:
             why.append(f"its communication share {simple.step.comm_share:.0%} vs {top.step.comm_share:.0%}")
-        if simple.layout.pp > 1 and simple.step.bubble / simple.step.step_time > top.step.bubble / top.step.step_time + 0.02:
+        if (
+            simple.layout.pp > 1
+            and simple.step.bubble / simple.step.step_time > top.step.bubble / top.step.step_time + 0.02
+        ):
             why.append(f"its bubble {simple.step.bubble / simple.step.step_time:.0%}")
         if RECOMPUTE_ORDER[simple.cfg.recompute.granularity] > RECOMPUTE_ORDER[top.cfg.recompute.granularity]:
             why.append(f"it needs {simple.cfg.recompute.granularity} recompute to fit")
-        lines.append(f"the top layout departs from it ({_shape(top)} instead of {_shape(simple)}): {gain:+.0%} throughput"
-                     + (f", because of {', '.join(why)}" if why else ""))
+        lines.append(
+            f"the top layout departs from it ({_shape(top)} instead of {_shape(simple)}): {gain:+.0%} throughput"
+            + (f", because of {', '.join(why)}" if why else "")
+        )
     return lines
 
 

@@ -9,6 +9,7 @@ Sources for the rules: Megatron-LM `megatron/training/arguments.py::validate_arg
 `TransformerConfig.__post_init__` and schedules, DeepSpeed `runtime/config.py` and
 `runtime/pipe/engine.py`, and the practitioner's checklist in shared/SEED-DIGEST.md section 6.
 """
+
 from __future__ import annotations
 
 import math
@@ -16,8 +17,15 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from toolkit.config.schema import Config
-from toolkit.plan.layout import (Layout, bubble_fraction, derived_dp, padded_vocab_size, resolve, stage_layer_counts,
-                                 world_size)
+from toolkit.plan.layout import (
+    Layout,
+    bubble_fraction,
+    derived_dp,
+    padded_vocab_size,
+    resolve,
+    stage_layer_counts,
+    world_size,
+)
 
 ERROR, WARNING = "error", "warning"
 
@@ -100,19 +108,51 @@ _CHOICES = {
     "data.name": ("synthetic", "corpus"),
 }
 _AT_LEAST_ONE = (
-    "model.num_layers", "model.hidden_size", "model.num_attention_heads", "model.num_kv_heads",
-    "model.head_dim", "model.ffn_hidden_size", "model.vocab_size", "model.seq_length",
-    "model.max_position_embeddings", "parallel.tp", "parallel.pp", "parallel.vpp", "parallel.dp",
-    "parallel.cp", "parallel.first_stage_layers", "parallel.last_stage_layers", "train.global_batch", "train.micro_batch", "train.grad_accum", "train.steps",
-    "train.tokens", "train.log_interval", "cluster.nodes", "cluster.gpus_per_node", "checkpoint.interval_steps",
+    "model.num_layers",
+    "model.hidden_size",
+    "model.num_attention_heads",
+    "model.num_kv_heads",
+    "model.head_dim",
+    "model.ffn_hidden_size",
+    "model.vocab_size",
+    "model.seq_length",
+    "model.max_position_embeddings",
+    "parallel.tp",
+    "parallel.pp",
+    "parallel.vpp",
+    "parallel.dp",
+    "parallel.cp",
+    "parallel.first_stage_layers",
+    "parallel.last_stage_layers",
+    "train.global_batch",
+    "train.micro_batch",
+    "train.grad_accum",
+    "train.steps",
+    "train.tokens",
+    "train.log_interval",
+    "cluster.nodes",
+    "cluster.gpus_per_node",
+    "checkpoint.interval_steps",
     "checkpoint.keep_last",
 )
 _NON_NEGATIVE = (
-    "model.make_vocab_size_divisible_by", "model.norm_epsilon", "model.init_method_std",
-    "optim.lr", "optim.min_lr", "optim.eps", "optim.weight_decay", "optim.clip_grad",
-    "optim.warmup_steps", "optim.decay_steps", "optim.reference_global_batch",
-    "precision.loss_scale", "precision.min_loss_scale", "precision.loss_scale_window",
-    "precision.hysteresis", "recompute.num_layers", "cluster.gpu_memory_gb",
+    "model.make_vocab_size_divisible_by",
+    "model.norm_epsilon",
+    "model.init_method_std",
+    "optim.lr",
+    "optim.min_lr",
+    "optim.eps",
+    "optim.weight_decay",
+    "optim.clip_grad",
+    "optim.warmup_steps",
+    "optim.decay_steps",
+    "optim.reference_global_batch",
+    "precision.loss_scale",
+    "precision.min_loss_scale",
+    "precision.loss_scale_window",
+    "precision.hysteresis",
+    "recompute.num_layers",
+    "cluster.gpu_memory_gb",
 )
 _POSITIVE = ("checkpoint.interval_minutes",)
 
@@ -146,29 +186,47 @@ def _ranges(cfg: Config) -> Iterator[Violation]:
     if bad_dropout:
         yield _err("range", {p: _get(cfg, p) for p in bad_dropout}, "a dropout rate lies in [0, 1)", "use 0.0 to 0.1")
     if cfg.train.steps is None and cfg.train.tokens is None:
-        yield _err("train_length", {"train.steps": None, "train.tokens": None},
-                   "the run has no length", "set train.steps=N or train.tokens=N")
+        yield _err(
+            "train_length",
+            {"train.steps": None, "train.tokens": None},
+            "the run has no length",
+            "set train.steps=N or train.tokens=N",
+        )
     for path in ("optim.beta1", "optim.beta2"):
         if not 0 <= _get(cfg, path) < 1:
-            yield _err("range", {path: _get(cfg, path)}, "an Adam beta lies in [0, 1)", f"set {path}=0.9 (beta1) or 0.95 (beta2)")
+            yield _err(
+                "range",
+                {path: _get(cfg, path)},
+                "an Adam beta lies in [0, 1)",
+                f"set {path}=0.9 (beta1) or 0.95 (beta2)",
+            )
 
 
 # ---------------------------------------------------------------- the model itself
 def _model(cfg: Config) -> Iterator[Violation]:
     m = cfg.model
     if m.head_dim is None and m.hidden_size % m.num_attention_heads:
-        yield _err("head_dim", {"model.hidden_size": m.hidden_size, "model.num_attention_heads": m.num_attention_heads},
-                   "hidden size is not divisible by the number of heads",
-                   f"use heads in {{{_listing(_divisors(m.hidden_size))}}} or set model.head_dim")
+        yield _err(
+            "head_dim",
+            {"model.hidden_size": m.hidden_size, "model.num_attention_heads": m.num_attention_heads},
+            "hidden size is not divisible by the number of heads",
+            f"use heads in {{{_listing(_divisors(m.hidden_size))}}} or set model.head_dim",
+        )
     kv = m.num_kv_heads or m.num_attention_heads
     if m.num_attention_heads % kv:
-        yield _err("kv_heads", {"model.num_attention_heads": m.num_attention_heads, "model.num_kv_heads": kv},
-                   "each KV head must serve the same number of query heads (GQA groups)",
-                   f"use model.num_kv_heads in {{{_listing(_divisors(m.num_attention_heads))}}}")
+        yield _err(
+            "kv_heads",
+            {"model.num_attention_heads": m.num_attention_heads, "model.num_kv_heads": kv},
+            "each KV head must serve the same number of query heads (GQA groups)",
+            f"use model.num_kv_heads in {{{_listing(_divisors(m.num_attention_heads))}}}",
+        )
     if m.seq_length > m.max_position_embeddings:
-        yield _err("seq_length", {"model.seq_length": m.seq_length, "model.max_position_embeddings": m.max_position_embeddings},
-                   "training sequences are longer than the model supports",
-                   f"set model.seq_length<={m.max_position_embeddings} (or raise max_position_embeddings for a new model)")
+        yield _err(
+            "seq_length",
+            {"model.seq_length": m.seq_length, "model.max_position_embeddings": m.max_position_embeddings},
+            "training sequences are longer than the model supports",
+            f"set model.seq_length<={m.max_position_embeddings} (or raise max_position_embeddings for a new model)",
+        )
 
 
 # ---------------------------------------------------------------- parallel layout
@@ -176,71 +234,125 @@ def _parallel(cfg: Config) -> Iterator[Violation]:
     m, p, c = cfg.model, cfg.parallel, cfg.cluster
     world = world_size(cfg)
     model_parallel = p.tp * p.pp * p.cp
-    fields = {"parallel.tp": p.tp, "parallel.pp": p.pp, "parallel.cp": p.cp, "cluster.nodes": c.nodes,
-              "cluster.gpus_per_node": c.gpus_per_node}
+    fields = {
+        "parallel.tp": p.tp,
+        "parallel.pp": p.pp,
+        "parallel.cp": p.cp,
+        "cluster.nodes": c.nodes,
+        "cluster.gpus_per_node": c.gpus_per_node,
+    }
     if p.dp is not None and p.dp * model_parallel != world:
         fits = f"parallel.dp={world // model_parallel}" if world % model_parallel == 0 else "leave parallel.dp out"
-        yield _err("world_size", {**fields, "parallel.dp": p.dp},
-                   f"dp*tp*pp*cp = {p.dp * model_parallel} but the cluster has {world} devices",
-                   f"set {fits}, or size the cluster to {p.dp * model_parallel} devices")
+        yield _err(
+            "world_size",
+            {**fields, "parallel.dp": p.dp},
+            f"dp*tp*pp*cp = {p.dp * model_parallel} but the cluster has {world} devices",
+            f"set {fits}, or size the cluster to {p.dp * model_parallel} devices",
+        )
     elif world % model_parallel:
-        yield _err("world_size", fields,
-                   f"tp*pp*cp = {model_parallel} does not divide the {world} devices",
-                   f"use tp*pp*cp in {{{_listing(_divisors(world))}}}, or a cluster of a multiple of {model_parallel} devices")
+        yield _err(
+            "world_size",
+            fields,
+            f"tp*pp*cp = {model_parallel} does not divide the {world} devices",
+            f"use tp*pp*cp in {{{_listing(_divisors(world))}}}, or a cluster of a multiple of {model_parallel} devices",
+        )
 
     kv = m.num_kv_heads or m.num_attention_heads
     # megatron-core TransformerConfig: heads % tp == 0, and KV heads either split evenly
     # (kv % tp == 0) or are replicated evenly (tp % kv == 0).
     if m.num_attention_heads % p.tp or (kv % p.tp and p.tp % kv):
         good = [d for d in _divisors(m.num_attention_heads) if kv % d == 0 or d % kv == 0]
-        yield _err("tp_heads", {"parallel.tp": p.tp, "model.num_attention_heads": m.num_attention_heads, "model.num_kv_heads": kv},
-                   "each tensor-parallel rank must hold whole attention heads, and KV heads must split or replicate evenly",
-                   f"use parallel.tp in {{{_listing(good)}}}")
+        yield _err(
+            "tp_heads",
+            {"parallel.tp": p.tp, "model.num_attention_heads": m.num_attention_heads, "model.num_kv_heads": kv},
+            "each tensor-parallel rank must hold whole attention heads, and KV heads must split or replicate evenly",
+            f"use parallel.tp in {{{_listing(good)}}}",
+        )
     if m.ffn_hidden_size % p.tp:
-        yield _err("tp_ffn", {"parallel.tp": p.tp, "model.ffn_hidden_size": m.ffn_hidden_size},
-                   "the MLP's columns do not split evenly across tensor-parallel ranks",
-                   f"use parallel.tp in {{{_listing(_divisors(m.ffn_hidden_size, 64))}}}")
+        yield _err(
+            "tp_ffn",
+            {"parallel.tp": p.tp, "model.ffn_hidden_size": m.ffn_hidden_size},
+            "the MLP's columns do not split evenly across tensor-parallel ranks",
+            f"use parallel.tp in {{{_listing(_divisors(m.ffn_hidden_size, 64))}}}",
+        )
     if m.make_vocab_size_divisible_by == 0 and m.vocab_size % p.tp:
-        yield _err("vocab_tp", {"model.vocab_size": m.vocab_size, "parallel.tp": p.tp, "model.make_vocab_size_divisible_by": 0},
-                   "vocabulary padding is off and the embedding rows do not split evenly across tensor-parallel ranks",
-                   f"set model.make_vocab_size_divisible_by=128 (pads to {padded_vocab_size(m.vocab_size, 128, p.tp)})")
+        yield _err(
+            "vocab_tp",
+            {"model.vocab_size": m.vocab_size, "parallel.tp": p.tp, "model.make_vocab_size_divisible_by": 0},
+            "vocabulary padding is off and the embedding rows do not split evenly across tensor-parallel ranks",
+            f"set model.make_vocab_size_divisible_by=128 (pads to {padded_vocab_size(m.vocab_size, 128, p.tp)})",
+        )
     if p.tp > c.gpus_per_node:
-        yield _err("tp_in_node", {"parallel.tp": p.tp, "cluster.gpus_per_node": c.gpus_per_node},
-                   "tensor parallel communicates in every layer and must stay inside a node",
-                   f"use parallel.tp<={c.gpus_per_node} and add pipeline stages (parallel.pp) across nodes")
+        yield _err(
+            "tp_in_node",
+            {"parallel.tp": p.tp, "cluster.gpus_per_node": c.gpus_per_node},
+            "tensor parallel communicates in every layer and must stay inside a node",
+            f"use parallel.tp<={c.gpus_per_node} and add pipeline stages (parallel.pp) across nodes",
+        )
     if p.sequence_parallel and p.tp == 1:
-        yield _err("sp_needs_tp", {"parallel.sequence_parallel": True, "parallel.tp": 1},
-                   "sequence parallel splits the tensor-parallel region's activations and needs tp > 1",
-                   "set parallel.sequence_parallel=false, or parallel.tp>=2")
+        yield _err(
+            "sp_needs_tp",
+            {"parallel.sequence_parallel": True, "parallel.tp": 1},
+            "sequence parallel splits the tensor-parallel region's activations and needs tp > 1",
+            "set parallel.sequence_parallel=false, or parallel.tp>=2",
+        )
     if p.sequence_parallel and m.seq_length % p.tp:
-        yield _err("sp_seq", {"parallel.sequence_parallel": True, "model.seq_length": m.seq_length, "parallel.tp": p.tp},
-                   "sequence parallel needs the sequence length divisible by tp",
-                   f"use model.seq_length={m.seq_length - m.seq_length % p.tp or p.tp}")
+        yield _err(
+            "sp_seq",
+            {"parallel.sequence_parallel": True, "model.seq_length": m.seq_length, "parallel.tp": p.tp},
+            "sequence parallel needs the sequence length divisible by tp",
+            f"use model.seq_length={m.seq_length - m.seq_length % p.tp or p.tp}",
+        )
     if p.sequence_parallel and c.device == "cpu" and cfg.backend.name == "megatron":
-        yield _err("sp_cpu", {"parallel.sequence_parallel": True, "cluster.device": "cpu"},
-                   "megatron-core's sequence-parallel norms come from Transformer Engine or apex, which need CUDA",
-                   "set parallel.sequence_parallel=false on CPU")
+        yield _err(
+            "sp_cpu",
+            {"parallel.sequence_parallel": True, "cluster.device": "cpu"},
+            "megatron-core's sequence-parallel norms come from Transformer Engine or apex, which need CUDA",
+            "set parallel.sequence_parallel=false on CPU",
+        )
     if p.cp > 1 and c.device == "cpu":
-        yield _err("cp_cpu", {"parallel.cp": p.cp, "cluster.device": "cpu"},
-                   "context parallel attention runs through Transformer Engine, which needs CUDA", "use parallel.cp=1 on CPU")
+        yield _err(
+            "cp_cpu",
+            {"parallel.cp": p.cp, "cluster.device": "cpu"},
+            "context parallel attention runs through Transformer Engine, which needs CUDA",
+            "use parallel.cp=1 on CPU",
+        )
     if p.cp > 1 and m.seq_length % (2 * p.cp):
-        yield _err("cp_seq", {"parallel.cp": p.cp, "model.seq_length": m.seq_length},
-                   "context parallel splits each sequence into 2*cp load-balanced chunks",
-                   f"use a model.seq_length divisible by {2 * p.cp}")
+        yield _err(
+            "cp_seq",
+            {"parallel.cp": p.cp, "model.seq_length": m.seq_length},
+            "context parallel splits each sequence into 2*cp load-balanced chunks",
+            f"use a model.seq_length divisible by {2 * p.cp}",
+        )
 
     uneven = p.first_stage_layers is not None or p.last_stage_layers is not None
     if uneven and p.pp == 1:
-        yield _err("pp_uneven", {"parallel.pp": 1, "parallel.first_stage_layers": p.first_stage_layers,
-                                 "parallel.last_stage_layers": p.last_stage_layers},
-                   "first/last stage layer counts need pipeline stages", "leave them out, or set parallel.pp>=2")
+        yield _err(
+            "pp_uneven",
+            {
+                "parallel.pp": 1,
+                "parallel.first_stage_layers": p.first_stage_layers,
+                "parallel.last_stage_layers": p.last_stage_layers,
+            },
+            "first/last stage layer counts need pipeline stages",
+            "leave them out, or set parallel.pp>=2",
+        )
     elif uneven and stage_layer_counts(m.num_layers, p.pp, p.vpp, p.first_stage_layers, p.last_stage_layers) is None:
         first, last = p.first_stage_layers or 0, p.last_stage_layers or 0
         middle = p.pp - (p.first_stage_layers is not None) - (p.last_stage_layers is not None)
-        yield _err("pp_uneven", {"parallel.pp": p.pp, "parallel.vpp": p.vpp, "parallel.first_stage_layers": p.first_stage_layers,
-                                 "parallel.last_stage_layers": p.last_stage_layers, "model.num_layers": m.num_layers},
-                   f"the {m.num_layers - first - last} remaining layers must split evenly over {middle} middle stage(s), "
-                   "and every stage's layers must divide by vpp",
-                   _uneven_fix(m.num_layers, p.pp, p.vpp))
+        yield _err(
+            "pp_uneven",
+            {
+                "parallel.pp": p.pp,
+                "parallel.vpp": p.vpp,
+                "parallel.first_stage_layers": p.first_stage_layers,
+                "parallel.last_stage_layers": p.last_stage_layers,
+                "model.num_layers": m.num_layers,
+            },
+            f"the {m.num_layers - first - last} remaining layers must split evenly over {middle} middle stage(s), "
+            "and every stage's layers must divide by vpp",
+            _uneven_fix(m.num_layers, p.pp, p.vpp),
+        )
     elif not uneven and m.num_layers % (p.pp * p.vpp):
         stages = p.pp * p.vpp
         pps = [d for d in _divisors(m.num_layers) if d * p.vpp <= m.num_layers and m.num_layers % (d * p.vpp) == 0]
@@ -249,12 +361,19 @@ def _parallel(cfg: Config) -> Iterator[Violation]:
             fix += f", or parallel.vpp in {{{_listing(_divisors(m.num_layers // p.pp))}}}"
         if p.pp > 2 and "parallel.first_stage_layers" in _uneven_fix(m.num_layers, p.pp, p.vpp):
             fix += f", or an uneven split: {_uneven_fix(m.num_layers, p.pp, p.vpp)}"
-        yield _err("pp_layers", {"parallel.pp": p.pp, "parallel.vpp": p.vpp, "model.num_layers": m.num_layers},
-                   f"{m.num_layers} layers do not split into pp*vpp = {stages} equal model chunks", fix)
+        yield _err(
+            "pp_layers",
+            {"parallel.pp": p.pp, "parallel.vpp": p.vpp, "model.num_layers": m.num_layers},
+            f"{m.num_layers} layers do not split into pp*vpp = {stages} equal model chunks",
+            fix,
+        )
     if p.vpp > 1 and p.pp == 1:
-        yield _err("vpp_needs_pp", {"parallel.vpp": p.vpp, "parallel.pp": 1},
-                   "the interleaved schedule interleaves pipeline stages and needs pp > 1",
-                   "set parallel.vpp=1, or parallel.pp>=2")
+        yield _err(
+            "vpp_needs_pp",
+            {"parallel.vpp": p.vpp, "parallel.pp": 1},
+            "the interleaved schedule interleaves pipeline stages and needs pp > 1",
+            "set parallel.vpp=1, or parallel.pp>=2",
+        )
 
 
 def _uneven_fix(num_layers: int, pp: int, vpp: int) -> str:
@@ -285,14 +404,21 @@ def _batch(cfg: Config) -> Iterator[Violation]:
         return
     accum = t.global_batch // per_step
     if t.grad_accum is not None and t.grad_accum != accum:
-        yield _err("grad_accum", {**fields, "train.grad_accum": t.grad_accum},
-                   f"global_batch / (micro_batch * dp) = {accum} accumulation steps",
-                   f"set train.grad_accum={accum} or leave it out, or train.global_batch={t.grad_accum * per_step}")
+        yield _err(
+            "grad_accum",
+            {**fields, "train.grad_accum": t.grad_accum},
+            f"global_batch / (micro_batch * dp) = {accum} accumulation steps",
+            f"set train.grad_accum={accum} or leave it out, or train.global_batch={t.grad_accum * per_step}",
+        )
     if p.vpp > 1 and p.pp > 1 and accum % p.pp:
         step = per_step * p.pp
-        yield _err("vpp_microbatches", {**fields, "parallel.pp": p.pp, "parallel.vpp": p.vpp},
-                   f"the interleaved schedule needs the {accum} micro-batches per step to be a multiple of pp={p.pp}",
-                   f"use train.global_batch={max(step, t.global_batch - t.global_batch % step)} or {t.global_batch - t.global_batch % step + step}")
+        yield _err(
+            "vpp_microbatches",
+            {**fields, "parallel.pp": p.pp, "parallel.vpp": p.vpp},
+            f"the interleaved schedule needs the {accum} micro-batches per step to be a multiple of pp={p.pp}",
+            f"use train.global_batch={max(step, t.global_batch - t.global_batch % step)} or "
+            f"{t.global_batch - t.global_batch % step + step}",
+        )
 
 
 # ---------------------------------------------------------------- backend-specific support
@@ -300,80 +426,148 @@ def _backend(cfg: Config) -> Iterator[Violation]:
     z, p, b, r = cfg.zero, cfg.parallel, cfg.backend.name, cfg.recompute
     if b == "deepspeed":
         if z.stage >= 2 and p.pp > 1:
-            yield _err("zero_pipeline", {"zero.stage": z.stage, "parallel.pp": p.pp, "backend.name": b},
-                       "DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only",
-                       "use zero=1 with pipeline parallel, or parallel.pp=1 with ZeRO-2/3")
-        unsupported = {k: v for k, v in (("parallel.tp", p.tp), ("parallel.cp", p.cp), ("parallel.vpp", p.vpp)) if v > 1}
+            yield _err(
+                "zero_pipeline",
+                {"zero.stage": z.stage, "parallel.pp": p.pp, "backend.name": b},
+                "DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only",
+                "use zero=1 with pipeline parallel, or parallel.pp=1 with ZeRO-2/3",
+            )
+        unsupported = {
+            k: v for k, v in (("parallel.tp", p.tp), ("parallel.cp", p.cp), ("parallel.vpp", p.vpp)) if v > 1
+        }
         if p.sequence_parallel:
             unsupported["parallel.sequence_parallel"] = True
         if unsupported:
-            yield _err("deepspeed_layout", {**unsupported, "backend.name": b},
-                       "the deepspeed backend trains transformers models with DP, ZeRO and (non-interleaved) pipeline only",
-                       "use backend=megatron for tensor, context, sequence parallel and interleaving")
+            yield _err(
+                "deepspeed_layout",
+                {**unsupported, "backend.name": b},
+                "the deepspeed backend trains transformers models with DP, ZeRO and (non-interleaved) pipeline only",
+                "use backend=megatron for tensor, context, sequence parallel and interleaving",
+            )
         if p.pp > 1 and cfg.model.sliding_window:
-            yield _err("pipeline_sliding_window", {"parallel.pp": p.pp, "model.sliding_window": cfg.model.sliding_window},
-                       "the deepspeed pipeline stages run decoder layers without the model's sliding-window mask",
-                       "use parallel.pp=1 on the deepspeed backend, or backend=megatron")
+            yield _err(
+                "pipeline_sliding_window",
+                {"parallel.pp": p.pp, "model.sliding_window": cfg.model.sliding_window},
+                "the deepspeed pipeline stages run decoder layers without the model's sliding-window mask",
+                "use parallel.pp=1 on the deepspeed backend, or backend=megatron",
+            )
         if p.pp > 1 and cfg.model.tie_embeddings:
-            yield _err("pipeline_tied_embeddings", {"parallel.pp": p.pp, "model.tie_embeddings": True, "backend.name": b},
-                       "the deepspeed pipeline keeps the input embedding and the output head on different stages",
-                       "use parallel.pp=1, model.tie_embeddings=false, or backend=megatron")
+            yield _err(
+                "pipeline_tied_embeddings",
+                {"parallel.pp": p.pp, "model.tie_embeddings": True, "backend.name": b},
+                "the deepspeed pipeline keeps the input embedding and the output head on different stages",
+                "use parallel.pp=1, model.tie_embeddings=false, or backend=megatron",
+            )
         if cfg.precision.dtype == "fp8":
-            yield _err("fp8_backend", {"precision.dtype": "fp8", "backend.name": b},
-                       "FP8 training runs through Transformer Engine on the megatron backend", "use precision=bf16 or backend=megatron")
+            yield _err(
+                "fp8_backend",
+                {"precision.dtype": "fp8", "backend.name": b},
+                "FP8 training runs through Transformer Engine on the megatron backend",
+                "use precision=bf16 or backend=megatron",
+            )
         if cfg.train.fault.nan_action == "skip" and cfg.zero.stage == 0 and cfg.precision.dtype == "fp32":
             # DeepSpeed drops an update with non-finite gradients only in its fp16/bf16 and ZeRO optimizers.
-            yield _err("nan_action_backend", {"train.fault.nan_action": "skip", "zero.stage": 0, "precision.dtype": "fp32",
-                                              "backend.name": b},
-                       "DeepSpeed's plain fp32 optimizer applies an update even when its gradients are NaN",
-                       "use zero=1 (or higher), precision=bf16, train.fault.nan_action=stop, or backend=megatron")
+            yield _err(
+                "nan_action_backend",
+                {"train.fault.nan_action": "skip", "zero.stage": 0, "precision.dtype": "fp32", "backend.name": b},
+                "DeepSpeed's plain fp32 optimizer applies an update even when its gradients are NaN",
+                "use zero=1 (or higher), precision=bf16, train.fault.nan_action=stop, or backend=megatron",
+            )
         if r.granularity == "selective":
-            yield _err("recompute_backend", {"recompute.granularity": "selective", "backend.name": b},
-                       "transformers models checkpoint whole layers only", "use recompute=full or backend=megatron")
+            yield _err(
+                "recompute_backend",
+                {"recompute.granularity": "selective", "backend.name": b},
+                "transformers models checkpoint whole layers only",
+                "use recompute=full or backend=megatron",
+            )
     if b == "megatron":
         if cfg.model.sliding_window and cfg.cluster.device == "cpu":
-            yield _err("sliding_window_cpu", {"model.sliding_window": cfg.model.sliding_window, "cluster.device": "cpu"},
-                       "megatron-core's sliding-window attention runs through Transformer Engine (CUDA)",
-                       "use backend=deepspeed on CPU, or model.sliding_window=null")
+            yield _err(
+                "sliding_window_cpu",
+                {"model.sliding_window": cfg.model.sliding_window, "cluster.device": "cpu"},
+                "megatron-core's sliding-window attention runs through Transformer Engine (CUDA)",
+                "use backend=deepspeed on CPU, or model.sliding_window=null",
+            )
         if cfg.model.hf_path:
-            yield _err("hf_path_backend", {"model.hf_path": cfg.model.hf_path, "backend.name": b},
-                       "Hugging Face weights load on the deepspeed backend",
-                       "use backend=deepspeed, or convert them to a Megatron checkpoint and set train.init_checkpoint")
+            yield _err(
+                "hf_path_backend",
+                {"model.hf_path": cfg.model.hf_path, "backend.name": b},
+                "Hugging Face weights load on the deepspeed backend",
+                "use backend=deepspeed, or convert them to a Megatron checkpoint and set train.init_checkpoint",
+            )
         if z.stage >= 2:
-            yield _err("zero_megatron", {"zero.stage": z.stage, "backend.name": b},
-                       "the megatron backend shards optimizer state across DP (distributed optimizer = zero=1) only",
-                       "use zero=1 on megatron, or backend=deepspeed for ZeRO-2/3")
+            yield _err(
+                "zero_megatron",
+                {"zero.stage": z.stage, "backend.name": b},
+                "the megatron backend shards optimizer state across DP (distributed optimizer = zero=1) only",
+                "use zero=1 on megatron, or backend=deepspeed for ZeRO-2/3",
+            )
         if z.offload_optimizer != "none" or z.offload_param != "none":
-            yield _err("offload_backend", {"zero.offload_optimizer": z.offload_optimizer, "zero.offload_param": z.offload_param,
-                                           "backend.name": b},
-                       "offload is a DeepSpeed ZeRO feature here", "use backend=deepspeed, or zero.offload_*=none")
+            yield _err(
+                "offload_backend",
+                {
+                    "zero.offload_optimizer": z.offload_optimizer,
+                    "zero.offload_param": z.offload_param,
+                    "backend.name": b,
+                },
+                "offload is a DeepSpeed ZeRO feature here",
+                "use backend=deepspeed, or zero.offload_*=none",
+            )
     if z.offload_optimizer != "none" and z.stage == 0:
-        yield _err("offload_stage", {"zero.offload_optimizer": z.offload_optimizer, "zero.stage": 0},
-                   "optimizer offload partitions optimizer states and needs ZeRO >= 1", "use zero=2_offload, or zero.stage>=1")
+        yield _err(
+            "offload_stage",
+            {"zero.offload_optimizer": z.offload_optimizer, "zero.stage": 0},
+            "optimizer offload partitions optimizer states and needs ZeRO >= 1",
+            "use zero=2_offload, or zero.stage>=1",
+        )
     if z.offload_param != "none" and z.stage != 3:
-        yield _err("offload_stage", {"zero.offload_param": z.offload_param, "zero.stage": z.stage},
-                   "parameter offload needs ZeRO-3 (parameters partitioned)", "use zero=3_offload, or zero.offload_param=none")
+        yield _err(
+            "offload_stage",
+            {"zero.offload_param": z.offload_param, "zero.stage": z.stage},
+            "parameter offload needs ZeRO-3 (parameters partitioned)",
+            "use zero=3_offload, or zero.offload_param=none",
+        )
     if "nvme" in (z.offload_optimizer, z.offload_param) and not z.nvme_path:
-        yield _err("offload_nvme", {"zero.nvme_path": z.nvme_path}, "NVMe offload needs a local NVMe folder",
-                   "set zero.nvme_path=/local_nvme/ds_offload")
+        yield _err(
+            "offload_nvme",
+            {"zero.nvme_path": z.nvme_path},
+            "NVMe offload needs a local NVMe folder",
+            "set zero.nvme_path=/local_nvme/ds_offload",
+        )
 
 
 # ---------------------------------------------------------------- precision and hardware
 def _precision(cfg: Config) -> Iterator[Violation]:
     dtype, c, pr = cfg.precision.dtype, cfg.cluster, cfg.precision
     if dtype == "fp16" and pr.loss_scaling == "none":
-        yield _err("fp16_loss_scale", {"precision.dtype": "fp16", "precision.loss_scaling": "none"},
-                   "fp16 gradients underflow without loss scaling (Micikevicius et al. 2018)",
-                   "set precision.loss_scaling=dynamic, or precision=bf16")
+        yield _err(
+            "fp16_loss_scale",
+            {"precision.dtype": "fp16", "precision.loss_scaling": "none"},
+            "fp16 gradients underflow without loss scaling (Micikevicius et al. 2018)",
+            "set precision.loss_scaling=dynamic, or precision=bf16",
+        )
     if dtype == "fp16" and c.device == "cpu":
-        yield _err("fp16_cpu", {"precision.dtype": "fp16", "cluster.device": "cpu"},
-                   "fp16 training is not supported on CPU (DeepSpeed refuses it, torch lacks fast fp16 GEMMs)",
-                   "use precision=bf16 or precision=fp32 on CPU")
+        yield _err(
+            "fp16_cpu",
+            {"precision.dtype": "fp16", "cluster.device": "cpu"},
+            "fp16 training is not supported on CPU (DeepSpeed refuses it, torch lacks fast fp16 GEMMs)",
+            "use precision=bf16 or precision=fp32 on CPU",
+        )
     peak = {"bf16": c.peak_tflops_bf16, "fp8": c.peak_tflops_fp8, "fp16": c.peak_tflops_fp16}.get(dtype)
     if peak is not None and peak <= 0 and not (dtype == "fp16" and c.device == "cpu"):
-        alternative = "precision=fp16" if dtype == "bf16" and c.peak_tflops_fp16 > 0 else "precision=bf16" if c.peak_tflops_bf16 > 0 else "precision=fp32"
-        yield _err("dtype_hardware", {"precision.dtype": dtype, "cluster.gpu": c.gpu, f"cluster.peak_tflops_{dtype}": peak},
-                   f"this hardware has no {dtype} support", f"use {alternative}")
+        alternative = (
+            "precision=fp16"
+            if dtype == "bf16" and c.peak_tflops_fp16 > 0
+            else "precision=bf16"
+            if c.peak_tflops_bf16 > 0
+            else "precision=fp32"
+        )
+        yield _err(
+            "dtype_hardware",
+            {"precision.dtype": dtype, "cluster.gpu": c.gpu, f"cluster.peak_tflops_{dtype}": peak},
+            f"this hardware has no {dtype} support",
+            f"use {alternative}",
+        )
 
 
 # ---------------------------------------------------------------- recompute and optimizer
@@ -386,39 +580,65 @@ def _recompute(cfg: Config) -> Iterator[Violation]:
     per_chunk = chunk_sizes[0]
     fields = {"recompute.method": r.method, "recompute.num_layers": r.num_layers, "layers per model chunk": per_chunk}
     if r.num_layers < 1:
-        yield _err("recompute_layers", fields, "full recompute needs at least one layer per checkpoint", "set recompute.num_layers=1")
+        yield _err(
+            "recompute_layers",
+            fields,
+            "full recompute needs at least one layer per checkpoint",
+            "set recompute.num_layers=1",
+        )
     elif r.method == "uniform" and any(size % r.num_layers for size in chunk_sizes):
         common = [d for d in _divisors(per_chunk) if all(size % d == 0 for size in chunk_sizes)]
-        yield _err("recompute_layers", fields, "uniform recompute checkpoints groups of num_layers, which must tile each chunk",
-                   f"use recompute.num_layers in {{{_listing(common)}}}")
+        yield _err(
+            "recompute_layers",
+            fields,
+            "uniform recompute checkpoints groups of num_layers, which must tile each chunk",
+            f"use recompute.num_layers in {{{_listing(common)}}}",
+        )
     elif r.method == "block" and r.num_layers > per_chunk:
-        yield _err("recompute_layers", fields, "block recompute cannot recompute more layers than a chunk holds",
-                   f"use recompute.num_layers<={per_chunk}")
+        yield _err(
+            "recompute_layers",
+            fields,
+            "block recompute cannot recompute more layers than a chunk holds",
+            f"use recompute.num_layers<={per_chunk}",
+        )
 
 
 def _optim(cfg: Config) -> Iterator[Violation]:
     o = cfg.optim
     if o.min_lr > o.lr:
-        yield _err("min_lr", {"optim.lr": o.lr, "optim.min_lr": o.min_lr}, "the decay would raise the learning rate",
-                   f"set optim.min_lr<={o.lr} (e.g. {o.lr / 10:g})")
+        yield _err(
+            "min_lr",
+            {"optim.lr": o.lr, "optim.min_lr": o.min_lr},
+            "the decay would raise the learning rate",
+            f"set optim.min_lr<={o.lr} (e.g. {o.lr / 10:g})",
+        )
     if o.lr_scaling != "none" and not o.reference_global_batch:
-        yield _err("lr_reference", {"optim.lr_scaling": o.lr_scaling, "optim.reference_global_batch": o.reference_global_batch},
-                   "a rescaling rule needs the batch the learning rate was tuned at",
-                   f"set optim.reference_global_batch to that batch (e.g. {cfg.train.global_batch})")
+        yield _err(
+            "lr_reference",
+            {"optim.lr_scaling": o.lr_scaling, "optim.reference_global_batch": o.reference_global_batch},
+            "a rescaling rule needs the batch the learning rate was tuned at",
+            f"set optim.reference_global_batch to that batch (e.g. {cfg.train.global_batch})",
+        )
 
 
 def _checkpoint(cfg: Config) -> Iterator[Violation]:
     c = cfg.checkpoint
     if c.auto_interval and c.interval_steps:
-        yield _err("checkpoint_interval", {"checkpoint.auto_interval": True, "checkpoint.interval_steps": c.interval_steps},
-                   "two save intervals given: the planner's rule picks the interval in steps",
-                   "set checkpoint.interval_steps=null, or checkpoint.auto_interval=false")
+        yield _err(
+            "checkpoint_interval",
+            {"checkpoint.auto_interval": True, "checkpoint.interval_steps": c.interval_steps},
+            "two save intervals given: the planner's rule picks the interval in steps",
+            "set checkpoint.interval_steps=null, or checkpoint.auto_interval=false",
+        )
     if c.async_save and cfg.backend.name == "deepspeed":
         # DeepSpeed's background writers are Nebula (Azure only) and the decoupled FastPersist
         # engine (the async_io op: libaio and NVMe); neither is part of parakit's stack.
-        yield _err("async_save_backend", {"checkpoint.async_save": True, "backend.name": "deepspeed"},
-                   "parakit's asynchronous save uses megatron-core's dist_checkpointing",
-                   "use checkpoint.async_save=false on the deepspeed backend, or backend=megatron")
+        yield _err(
+            "async_save_backend",
+            {"checkpoint.async_save": True, "backend.name": "deepspeed"},
+            "parakit's asynchronous save uses megatron-core's dist_checkpointing",
+            "use checkpoint.async_save=false on the deepspeed backend, or backend=megatron",
+        )
 
 
 # ---------------------------------------------------------------- slow-but-valid layouts
@@ -429,34 +649,67 @@ def _warnings(cfg: Config, layout: Layout) -> Iterator[Violation]:
         bubble = bubble_fraction(p.pp, p.vpp, m)
         if bubble > ch.max_bubble_fraction:
             need = math.ceil((p.pp - 1) / (p.vpp * ch.max_bubble_fraction))
-            yield _warn("bubble", {"parallel.pp": p.pp, "parallel.vpp": p.vpp, "micro-batches": m},
-                        f"the pipeline bubble (pp-1)/(vpp*m) adds {bubble:.0%} idle time to the compute (threshold {ch.max_bubble_fraction:.0%})",
-                        f"raise train.global_batch so that m >= {need} (global_batch >= {need * t.micro_batch * layout.dp}), "
-                        "lower train.micro_batch, or raise parallel.vpp")
+            yield _warn(
+                "bubble",
+                {"parallel.pp": p.pp, "parallel.vpp": p.vpp, "micro-batches": m},
+                f"the pipeline bubble (pp-1)/(vpp*m) adds {bubble:.0%} idle time to the compute (threshold "
+                f"{ch.max_bubble_fraction:.0%})",
+                f"raise train.global_batch so that m >= {need} (global_batch >= {need * t.micro_batch * layout.dp}), "
+                "lower train.micro_batch, or raise parallel.vpp",
+            )
         if m < ch.min_microbatches_per_stage * p.pp:
-            yield _warn("few_microbatches", {"micro-batches": m, "parallel.pp": p.pp},
-                        f"fewer than {ch.min_microbatches_per_stage}*pp micro-batches per step keep the pipeline mostly filling and draining",
-                        f"raise train.global_batch to {ch.min_microbatches_per_stage * p.pp * t.micro_batch * layout.dp} or lower train.micro_batch")
+            yield _warn(
+                "few_microbatches",
+                {"micro-batches": m, "parallel.pp": p.pp},
+                f"fewer than {ch.min_microbatches_per_stage}*pp micro-batches per step keep the pipeline mostly "
+                "filling and draining",
+                f"raise train.global_batch to {ch.min_microbatches_per_stage * p.pp * t.micro_batch * layout.dp} or "
+                "lower train.micro_batch",
+            )
     if p.tp <= c.gpus_per_node and c.gpus_per_node % p.tp and c.nodes > 1:
-        yield _warn("tp_spans_nodes", {"parallel.tp": p.tp, "cluster.gpus_per_node": c.gpus_per_node},
-                    "some tensor-parallel groups straddle two nodes and talk over the slow inter-node network",
-                    f"use parallel.tp in {{{_listing(_divisors(c.gpus_per_node))}}}")
+        yield _warn(
+            "tp_spans_nodes",
+            {"parallel.tp": p.tp, "cluster.gpus_per_node": c.gpus_per_node},
+            "some tensor-parallel groups straddle two nodes and talk over the slow inter-node network",
+            f"use parallel.tp in {{{_listing(_divisors(c.gpus_per_node))}}}",
+        )
     if p.tp & (p.tp - 1):
-        yield _warn("tp_power_of_two", {"parallel.tp": p.tp},
-                    "tensor parallel degrees that are not powers of two give odd GEMM shapes and unbalanced NVLink traffic",
-                    "use parallel.tp in {1, 2, 4, 8}")
+        yield _warn(
+            "tp_power_of_two",
+            {"parallel.tp": p.tp},
+            "tensor parallel degrees that are not powers of two give odd GEMM shapes and unbalanced NVLink traffic",
+            "use parallel.tp in {1, 2, 4, 8}",
+        )
     if o.reference_global_batch and o.reference_global_batch != t.global_batch and o.lr_scaling == "none":
-        yield _warn("lr_not_rescaled", {"train.global_batch": t.global_batch, "optim.reference_global_batch": o.reference_global_batch,
-                                        "optim.lr_scaling": "none"},
-                    "the global batch changed but the learning rate and warmup did not",
-                    "set optim.lr_scaling=sqrt (Adam) or linear (SGD), or retune optim.lr and optim.warmup_steps")
+        yield _warn(
+            "lr_not_rescaled",
+            {
+                "train.global_batch": t.global_batch,
+                "optim.reference_global_batch": o.reference_global_batch,
+                "optim.lr_scaling": "none",
+            },
+            "the global batch changed but the learning rate and warmup did not",
+            "set optim.lr_scaling=sqrt (Adam) or linear (SGD), or retune optim.lr and optim.warmup_steps",
+        )
     if layout.warmup_steps >= layout.steps:
-        yield _warn("warmup", {"optim.warmup_steps": layout.warmup_steps, "steps": layout.steps},
-                    "the run ends before the learning-rate warmup does", f"set optim.warmup_steps<={max(1, layout.steps // 10)}")
+        yield _warn(
+            "warmup",
+            {"optim.warmup_steps": layout.warmup_steps, "steps": layout.steps},
+            "the run ends before the learning-rate warmup does",
+            f"set optim.warmup_steps<={max(1, layout.steps // 10)}",
+        )
 
 
-_ERROR_RULES: tuple[Callable[[Config], Iterator[Violation]], ...] = (_model, _parallel, _batch, _backend, _precision, _recompute, _optim,
-                                                                   _checkpoint)
+_ERROR_RULES: tuple[Callable[[Config], Iterator[Violation]], ...] = (
+    _model,
+    _parallel,
+    _batch,
+    _backend,
+    _precision,
+    _recompute,
+    _optim,
+    _checkpoint,
+)
 
 
 def validate(cfg: Config) -> Report:

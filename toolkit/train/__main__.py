@@ -4,28 +4,39 @@ torchrun starts one of these per rank (launch.sh, or `parakit train` for several
 It reads the resolved configuration that `parakit generate`/`train` wrote, so the layout that
 trains is the layout the validator accepted and the emitters wrote.
 """
+
 from __future__ import annotations
 
 import argparse
-import sys
-from pathlib import Path
-
 import logging
+import sys
 import warnings
+from pathlib import Path
 
 from omegaconf import OmegaConf
 
 from toolkit.config.schema import Config
 from toolkit.plan.validate import ValidationError, check
 
-
 # Upstream notices that say nothing about this run (missing optional kernels on CPU, API
 # deprecations inside megatron-core and torch); anything else still prints.
-_NOISE = ("Apex is not installed", "Transformer Engine and Apex are not installed", "MimoModelConfig is experimental",
-          "is not a leaf Tensor is being accessed", "CUDA_DEVICE_MAX_CONNECTIONS", "reduce_scatter_tensor` is deprecated",
-          "pad token id in the tokenizer collides", "absl.logging is not installed", "GPTModel IS DEPRECATED",
-          "full_param_layout not provided", "Rerun State Machine", "RerunStateMachine initialized",
-          "all_gather_into_tensor` is deprecated", "full scope is deprecated", "MCore's async save is deprecated")
+_NOISE = (
+    "Apex is not installed",
+    "Transformer Engine and Apex are not installed",
+    "MimoModelConfig is experimental",
+    "is not a leaf Tensor is being accessed",
+    "CUDA_DEVICE_MAX_CONNECTIONS",
+    "reduce_scatter_tensor` is deprecated",
+    "pad token id in the tokenizer collides",
+    "absl.logging is not installed",
+    "GPTModel IS DEPRECATED",
+    "full_param_layout not provided",
+    "Rerun State Machine",
+    "RerunStateMachine initialized",
+    "all_gather_into_tensor` is deprecated",
+    "full scope is deprecated",
+    "MCore's async save is deprecated",
+)
 
 
 class _DropNoise(logging.Filter):

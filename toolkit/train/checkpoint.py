@@ -7,6 +7,7 @@ temporary file and renamed). Only a directory whose manifest matches its files i
 a corrupt or unfinished newest checkpoint is reported and the previous good one is used. The
 last `keep_last` published checkpoints are kept.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -132,8 +133,12 @@ def host_rng_state() -> dict:
     import numpy as np
     import torch
 
-    return {"python": random.getstate(), "numpy": np.random.get_state(), "torch": torch.get_rng_state(),
-            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None}
+    return {
+        "python": random.getstate(),
+        "numpy": np.random.get_state(),
+        "torch": torch.get_rng_state(),
+        "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+    }
 
 
 def set_host_rng_state(state: dict) -> None:
@@ -149,7 +154,9 @@ def set_host_rng_state(state: dict) -> None:
         torch.cuda.set_rng_state_all(state["cuda"])
 
 
-def save_collectively(root: Path, step: int, keep_last: int, fault, write, trainer_state: dict, rng_state: dict) -> float:
+def save_collectively(
+    root: Path, step: int, keep_last: int, fault, write, trainer_state: dict, rng_state: dict
+) -> float:
     """Every rank: `write(staging)` its shards and its random state; rank 0 then publishes.
 
     `write` may return a `finish_later(publish)` function instead of None: its writes go on in the

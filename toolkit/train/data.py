@@ -6,6 +6,7 @@ j of data-parallel rank r takes the mb samples starting at s*B + j*mb*dp + r*mb,
 Megatron-LM's MegatronPretrainingSampler. So a run's global batches are the same at every
 layout, which the parity tests rely on, and a resumed run can continue at any step.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -34,8 +35,12 @@ class SyntheticTokens:
     def __getitem__(self, index: int) -> dict:
         rng = np.random.default_rng([self.seed, index])
         text = torch.from_numpy(rng.integers(0, self.vocab_size, self.seq_length + 1).astype(np.int64))
-        return {"tokens": text[:-1], "labels": text[1:], "loss_mask": torch.ones(self.seq_length),
-                "position_ids": torch.arange(self.seq_length)}
+        return {
+            "tokens": text[:-1],
+            "labels": text[1:],
+            "loss_mask": torch.ones(self.seq_length),
+            "position_ids": torch.arange(self.seq_length),
+        }
 
 
 def corpus_dataset(cfg: Config, num_samples: int):
@@ -52,9 +57,16 @@ def corpus_dataset(cfg: Config, num_samples: int):
     torch.distributed.barrier()
     prefix = cfg.data.path or str(prepare_corpus(progress=False))
     config = GPTDatasetConfig(
-        random_seed=cfg.train.seed, sequence_length=cfg.model.seq_length, blend=([prefix], None), split="100,0,0",
-        tokenizer=_GPT2Vocabulary(), reset_position_ids=False, reset_attention_mask=False, eod_mask_loss=False,
-        path_to_cache=str(CACHE / "data" / "index"))
+        random_seed=cfg.train.seed,
+        sequence_length=cfg.model.seq_length,
+        blend=([prefix], None),
+        split="100,0,0",
+        tokenizer=_GPT2Vocabulary(),
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        path_to_cache=str(CACHE / "data" / "index"),
+    )
     train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, None, None], lambda: True, config).build()
     return train
 
@@ -72,5 +84,8 @@ def micro_batches(dataset, layout: Layout, dp_rank: int, start_step: int = 0):
         for micro in range(layout.grad_accum):
             first = step * layout.global_batch + micro * layout.micro_batch * layout.dp + dp_rank * layout.micro_batch
             samples = [dataset[first + i] for i in range(layout.micro_batch)]
-            yield {key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in ("tokens", "labels", "loss_mask", "position_ids")}
+            yield {
+                key: torch.stack([torch.as_tensor(s[key]) for s in samples])
+                for key in ("tokens", "labels", "loss_mask", "position_ids")
+            }
         step += 1

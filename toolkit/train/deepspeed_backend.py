@@ -6,6 +6,7 @@ The engine runs with exactly the JSON parakit emitted for the layout. On CPU, De
 shared-memory collective (a C++ extension compiled at start-up) is skipped so that no compiler
 is needed: gloo does every collective, with identical results.
 """
+
 from __future__ import annotations
 
 import importlib
@@ -69,7 +70,13 @@ def build_hf_model(cfg: Config, ds_json: dict, deepspeed):
         model = model_class.from_pretrained(cfg.model.hf_path, dtype=torch.float32)
     else:
         model = model_class._from_config(config, dtype=torch.float32)
-        seeded_init(model, cfg.model.init_method_std, cfg.model.num_layers, cfg.train.seed, deepspeed if cfg.zero.stage == 3 else None)
+        seeded_init(
+            model,
+            cfg.model.init_method_std,
+            cfg.model.num_layers,
+            cfg.train.seed,
+            deepspeed if cfg.zero.stage == 3 else None,
+        )
     if cfg.recompute.granularity == "full":
         # Non-reentrant checkpointing: the reentrant kind silently drops the gradients of a
         # block whose inputs do not require grad (the embedding output under ZeRO-3, say).
@@ -140,8 +147,11 @@ def initialize_engine(deepspeed, module: torch.nn.Module, cfg: Config, layout: L
     """deepspeed.initialize with the emitted JSON, megatron-core's weight-decay groups and the run's
     learning-rate schedule."""
     engine, _, _, _ = deepspeed.initialize(
-        model=module, model_parameters=optimizer_groups(module, cfg.optim.weight_decay), config=ds_json,
-        lr_scheduler=partial(ScheduledLR, schedule=lr_schedule(cfg, layout)))
+        model=module,
+        model_parameters=optimizer_groups(module, cfg.optim.weight_decay),
+        config=ds_json,
+        lr_scheduler=partial(ScheduledLR, schedule=lr_schedule(cfg, layout)),
+    )
     return engine
 
 
@@ -187,10 +197,15 @@ class Checkpointing:
             return not applied  # fp16 loss-scale overflow
         if self.cfg.train.fault.nan_action == "stop" or applied:
             metrics.close(self.run_dir, complete=False)
-            why = ("DeepSpeed applied the update (no overflow check in this configuration)" if applied and
-                   self.cfg.train.fault.nan_action == "skip" else "train.fault.nan_action=skip skips such steps")
-            raise FloatingPointError(f"non-finite loss {loss} at step {step}; stopping with the last good checkpoint "
-                                     f"in {self.root} kept ({why})")
+            why = (
+                "DeepSpeed applied the update (no overflow check in this configuration)"
+                if applied and self.cfg.train.fault.nan_action == "skip"
+                else "train.fault.nan_action=skip skips such steps"
+            )
+            raise FloatingPointError(
+                f"non-finite loss {loss} at step {step}; stopping with the last good checkpoint "
+                f"in {self.root} kept ({why})"
+            )
         return True
 
     def end_step(self, step: int, loss: float, metrics) -> None:
@@ -203,7 +218,9 @@ class Checkpointing:
     def maybe_save(self, step: int, metrics) -> None:
         if self.schedule.due(step):
             with self.watchdog.suspended():
-                blocked = self.io.save(self.engine, self.root, step, self.layout, self.cfg.checkpoint.keep_last, self.cfg.train.fault)
+                blocked = self.io.save(
+                    self.engine, self.root, step, self.layout, self.cfg.checkpoint.keep_last, self.cfg.train.fault
+                )
                 self.schedule.saved(step, blocked, metrics.history[-1]["step_time_s"])
 
 

@@ -1,6 +1,7 @@
 """DeepSpeed engine checkpoints inside parakit's verified publishing (toolkit.train.checkpoint):
 the engine writes model, optimizer (ZeRO partitions), LR scheduler and its client state into the
 staging directory, each rank adds its random states, rank 0 publishes."""
+
 from __future__ import annotations
 
 from pathlib import Path
@@ -14,8 +15,11 @@ TAG = "state"
 
 
 def save(engine, root: Path, step: int, layout: Layout, keep_last: int, fault) -> float:
-    state = {"step": step, "consumed_samples": step * layout.global_batch,
-             "layout": {"pp": layout.pp, "dp": layout.dp, "world": layout.world_size}}
+    state = {
+        "step": step,
+        "consumed_samples": step * layout.global_batch,
+        "layout": {"pp": layout.pp, "dp": layout.dp, "world": layout.world_size},
+    }
 
     def write(staging: Path) -> None:  # synchronous: the engine's writes are done when it returns
         engine.save_checkpoint(str(staging), tag=TAG, client_state={"step": step})

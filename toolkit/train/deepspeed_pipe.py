@@ -5,6 +5,7 @@ PipelineEngine.train_batch (1F1B, ZeRO <= 1 as DeepSpeed requires).
 Tensors travel between stages as tuples (hidden states, position ids); decoder layers are
 balanced across stages by DeepSpeed's "type:" partitioning.
 """
+
 from __future__ import annotations
 
 from functools import partial
@@ -61,10 +62,17 @@ def pipeline_layers(model, family: str) -> list[nn.Module]:
     """The transformers model, cut into the sequence a PipelineModule partitions."""
     if family == "gpt2":
         body = model.transformer
-        return [EmbeddingPipe(body.wte, body.wpe), *[DecoderPipe(block) for block in body.h], HeadPipe(body.ln_f, model.lm_head)]
+        return [
+            EmbeddingPipe(body.wte, body.wpe),
+            *[DecoderPipe(block) for block in body.h],
+            HeadPipe(body.ln_f, model.lm_head),
+        ]
     body = model.model
-    return [EmbeddingPipe(body.embed_tokens), *[DecoderPipe(layer, body.rotary_emb) for layer in body.layers],
-            HeadPipe(body.norm, model.lm_head)]
+    return [
+        EmbeddingPipe(body.embed_tokens),
+        *[DecoderPipe(layer, body.rotary_emb) for layer in body.layers],
+        HeadPipe(body.norm, model.lm_head),
+    ]
 
 
 class _PipeLoss:
@@ -95,10 +103,13 @@ def train_pipeline(cfg: Config, layout: Layout, run_dir: Path, deepspeed, ds_jso
     checkpoint = partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
     pipe_loss = _PipeLoss()
     pipe = PipelineModule(
-        layers=pipeline_layers(model, cfg.model.family), num_stages=layout.pp, loss_fn=pipe_loss,
+        layers=pipeline_layers(model, cfg.model.family),
+        num_stages=layout.pp,
+        loss_fn=pipe_loss,
         partition_method="type:DecoderPipe",
         activation_checkpoint_interval=cfg.recompute.num_layers if cfg.recompute.granularity == "full" else 0,
-        activation_checkpoint_func=checkpoint)
+        activation_checkpoint_func=checkpoint,
+    )
     del model
     from toolkit.train.deepspeed_backend import Checkpointing, initialize_engine
 

@@ -1,4 +1,5 @@
 """The default process group, for both backends."""
+
 from __future__ import annotations
 
 import os
@@ -17,8 +18,13 @@ def init_process_group() -> None:
     if torch.distributed.is_initialized():
         return
     if "RANK" not in os.environ:  # a single process outside torchrun
-        os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1",
-                          MASTER_PORT=os.environ.get("MASTER_PORT", str(29400 + os.getpid() % 1000)))
+        os.environ.update(
+            RANK="0",
+            LOCAL_RANK="0",
+            WORLD_SIZE="1",
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=os.environ.get("MASTER_PORT", str(29400 + os.getpid() % 1000)),
+        )
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     backend = "nccl" if torch.cuda.is_available() else "gloo"
@@ -27,8 +33,9 @@ def init_process_group() -> None:
         torch.distributed.init_process_group(backend, timeout=TIMEOUT)
         return
     rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = torch.distributed.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 100 + attempt, world,
-                                       is_master=rank == 0)
+    store = torch.distributed.TCPStore(
+        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 100 + attempt, world, is_master=rank == 0
+    )
     torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=TIMEOUT)
 
 

@@ -7,6 +7,7 @@ for `watchdog_timeout_s`, reads every rank's counter, names the ranks furthest b
 stuck in compute; the others wait for them in a collective), and ends this process so that
 torchrun tears the job down and restarts it instead of hanging until the collective timeout.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -89,9 +90,13 @@ class Watchdog:
                     counts[rank] = (-1, -1)
             behind = min(c[0] for c in counts.values())
             stuck = [r for r, c in counts.items() if c[0] == behind]
-            print(f"watchdog (rank {self.rank}): no progress for {idle:.0f} s; rank(s) {stuck} stuck at step "
-                  f"{counts[stuck[0]][1] + 1} (progress {behind}, the others at "
-                  f"{max(c[0] for c in counts.values())}); ending the job so that it restarts", file=sys.stderr, flush=True)
+            print(
+                f"watchdog (rank {self.rank}): no progress for {idle:.0f} s; rank(s) {stuck} stuck at step "
+                f"{counts[stuck[0]][1] + 1} (progress {behind}, the others at "
+                f"{max(c[0] for c in counts.values())}); ending the job so that it restarts",
+                file=sys.stderr,
+                flush=True,
+            )
             _exit(3)
 
 
@@ -104,13 +109,19 @@ def inject_step_faults(fault: FaultConfig, step: int) -> None:
         print(f"fault injection: killing rank {rank} at step {step}", file=sys.stderr, flush=True)
         _exit(1)
     if fault.stall_rank == rank and fault.stall_at_step == step:
-        print(f"fault injection: stalling rank {rank} at step {step} for {fault.stall_seconds:.0f} s", file=sys.stderr, flush=True)
+        print(
+            f"fault injection: stalling rank {rank} at step {step} for {fault.stall_seconds:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
         time.sleep(fault.stall_seconds)
 
 
 def corrupt(directory: Path) -> None:
     """Damage the largest file of a published checkpoint (flip bytes in place)."""
-    target = max((p for p in directory.rglob("*") if p.is_file() and p.name != "manifest.json"), key=lambda p: p.stat().st_size)
+    target = max(
+        (p for p in directory.rglob("*") if p.is_file() and p.name != "manifest.json"), key=lambda p: p.stat().st_size
+    )
     with open(target, "r+b") as f:
         f.seek(target.stat().st_size // 2)
         f.write(b"\xde\xad\xbe\xef")

@@ -3,6 +3,7 @@
 parakit never implements a process launcher: several local ranks run under torchrun
 (`--standalone`, with --max-restarts), exactly as launch.sh starts them.
 """
+
 from __future__ import annotations
 
 import os
@@ -16,13 +17,32 @@ from toolkit.plan.layout import Layout
 
 
 def torchrun_command(layout: Layout, run_dir: Path, nproc: int, max_restarts: int = 0) -> list[str]:
-    return [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nnodes", "1", "--nproc-per-node", str(nproc),
-            "--max-restarts", str(max_restarts), "-m", "toolkit.train", "--config-dir", str(run_dir), "--config-name", "config"]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--standalone",
+        "--nnodes",
+        "1",
+        "--nproc-per-node",
+        str(nproc),
+        "--max-restarts",
+        str(max_restarts),
+        "-m",
+        "toolkit.train",
+        "--config-dir",
+        str(run_dir),
+        "--config-name",
+        "config",
+    ]
 
 
 def train_here(cfg: Config, layout: Layout, run_dir: Path) -> int:
     if cfg.cluster.nodes > 1:
-        print(f"parakit train: {cfg.cluster.nodes} nodes: submit {run_dir / 'launch.sh'} with sbatch instead", file=sys.stderr)
+        print(
+            f"parakit train: {cfg.cluster.nodes} nodes: submit {run_dir / 'launch.sh'} with sbatch instead",
+            file=sys.stderr,
+        )
         return 2
     if layout.world_size == 1 or "LOCAL_RANK" in os.environ:
         from toolkit.train.__main__ import quiet_upstream_notices, run_to_exit_code

@@ -14,6 +14,7 @@ Callers must also set use_cpu_initialization=True, pipeline_dtype, and batch_p2p
 (gloo pairs batched isend/irecv wrongly when the previous and next stage are one peer); the
 emitter does that for cluster.device=cpu.
 """
+
 from __future__ import annotations
 
 import contextlib
@@ -48,9 +49,14 @@ def import_shims() -> None:
 
 
 def _to_cpu(device):
-    is_cuda = isinstance(device, int) and not isinstance(device, bool) or \
-        isinstance(device, str) and device.startswith("cuda") or \
-        isinstance(device, torch.device) and device.type == "cuda"
+    is_cuda = (
+        isinstance(device, int)
+        and not isinstance(device, bool)
+        or isinstance(device, str)
+        and device.startswith("cuda")
+        or isinstance(device, torch.device)
+        and device.type == "cuda"
+    )
     return _CPU if is_cuda else device
 
 

@@ -3,6 +3,7 @@ get_forward_backward_func (1F1B, interleaved 1F1B when vpp > 1) from the resolve
 
 Runs on NVIDIA GPUs with NCCL, and on CPU with gloo through toolkit.train.mcore_cpu.
 """
+
 from __future__ import annotations
 
 import json
@@ -27,12 +28,15 @@ from toolkit.train.save_schedule import SaveSchedule
 
 _OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}  # loadable at any dp/tp/pp
 
+
 def _init_distributed(layout: Layout) -> None:
     init_process_group()
     world = torch.distributed.get_world_size()
     if world != layout.world_size:
-        raise RuntimeError(f"launched with {world} processes but the layout needs {layout.world_size} "
-                           "(cluster.nodes x cluster.gpus_per_node)")
+        raise RuntimeError(
+            f"launched with {world} processes but the layout needs {layout.world_size} "
+            "(cluster.nodes x cluster.gpus_per_node)"
+        )
 
 
 def _seed(seed: int) -> None:
@@ -105,7 +109,10 @@ def _set_rng_state(state: dict) -> None:
 
 def _sharded_state(chunks, optimizer, is_loading: bool) -> dict:
     model_state = {f"chunk{i}": chunk.sharded_state_dict() for i, chunk in enumerate(chunks)}
-    return {**model_state, "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=_OPTIMIZER_FORMAT)}
+    return {
+        **model_state,
+        "optimizer": optimizer.sharded_state_dict(model_state, is_loading=is_loading, metadata=_OPTIMIZER_FORMAT),
+    }
 
 
 def _seed_optimizer_states(optimizer) -> None:
@@ -116,11 +123,14 @@ def _seed_optimizer_states(optimizer) -> None:
             for param in group["params"]:
                 state = inner.optimizer.state[param]
                 if not state:
-                    state.update(step=torch.tensor(0.0), exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param))
+                    state.update(
+                        step=torch.tensor(0.0), exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param)
+                    )
 
 
-def save_checkpoint(root: Path, step: int, chunks, optimizer, scheduler, layout: Layout, keep_last: int, fault,
-                    async_queue=None) -> float:
+def save_checkpoint(
+    root: Path, step: int, chunks, optimizer, scheduler, layout: Layout, keep_last: int, fault, async_queue=None
+) -> float:
     """A verified checkpoint of `step`; returns the seconds training was held up. With an
     `async_queue` (megatron-core's AsyncCallsQueue) the shards are written by a forked process
     (a snapshot of this moment) while training goes on, and the checkpoint is published when
@@ -129,18 +139,27 @@ def save_checkpoint(root: Path, step: int, chunks, optimizer, scheduler, layout:
 
     def write(staging: Path):
         (staging / "model_optim").mkdir(exist_ok=True)
-        request = dist_checkpointing.save(_sharded_state(chunks, optimizer, is_loading=False), str(staging / "model_optim"),
-                                          async_sharded_save=async_queue is not None, async_strategy="mcore")
+        request = dist_checkpointing.save(
+            _sharded_state(chunks, optimizer, is_loading=False),
+            str(staging / "model_optim"),
+            async_sharded_save=async_queue is not None,
+            async_strategy="mcore",
+        )
         if async_queue is None:
             return None
 
         def finish_later(publish):
             request.add_finalize_fn(publish)
             async_queue.schedule_async_request(request)
+
         return finish_later
 
-    state = {"step": step, "consumed_samples": step * layout.global_batch, "scheduler": scheduler.state_dict(),
-             "layout": {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "dp": layout.dp, "world": layout.world_size}}
+    state = {
+        "step": step,
+        "consumed_samples": step * layout.global_batch,
+        "scheduler": scheduler.state_dict(),
+        "layout": {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "dp": layout.dp, "world": layout.world_size},
+    }
     return ckpt.save_collectively(root, step, keep_last, fault, write, state, _rng_state())
 
 
@@ -180,8 +199,11 @@ def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
 
     _init_distributed(layout)
     parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp, pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None, context_parallel_size=layout.cp)
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+        context_parallel_size=layout.cp,
+    )
     _seed(cfg.train.seed)
     sections = megatron_sections(cfg, layout)
     transformer_config, optimizer_config, ddp_config = build_megatron_configs(sections)
@@ -192,8 +214,10 @@ def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
         _save_weights(chunks, cfg.train.save_init_checkpoint)
     if transformer_config.bf16 or transformer_config.fp16:
         chunks = [Float16Module(transformer_config, chunk) for chunk in chunks]
-    model = [DistributedDataParallel(transformer_config, ddp_config, chunk, disable_bucketing=i > 0)
-             for i, chunk in enumerate(chunks)]
+    model = [
+        DistributedDataParallel(transformer_config, ddp_config, chunk, disable_bucketing=i > 0)
+        for i, chunk in enumerate(chunks)
+    ]
     transformer_config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
     transformer_config.finalize_model_grads_func = finalize_model_grads
     optimizer = get_megatron_optimizer(optimizer_config, model)
@@ -202,7 +226,9 @@ def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
     scheduler = OptimizerParamScheduler(optimizer, **sections["scheduler"])
 
     checkpoints = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
-    resume = load_checkpoint(checkpoints, chunks, optimizer, scheduler, layout) if cfg.checkpoint.resume else ckpt.Resume()
+    resume = (
+        load_checkpoint(checkpoints, chunks, optimizer, scheduler, layout) if cfg.checkpoint.resume else ckpt.Resume()
+    )
     start = resume.step
 
     dataset = train_dataset(cfg, layout)
@@ -210,7 +236,9 @@ def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
     needs_data = parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage()
     # The sampler is indexed by step: a resumed run reads exactly the samples it would have read.
     iterators = [micro_batches(dataset, layout, dp_rank, start_step=start) if needs_data else None for _ in model]
-    last_stage_reporter = parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
+    last_stage_reporter = (
+        parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
+    )
     metrics = Metrics(cfg, layout, run_dir, enabled=torch.distributed.get_rank() == 0, resume=resume)
     watchdog = Watchdog(cfg.train.fault.watchdog_timeout_s)
     fault = cfg.train.fault
@@ -236,9 +264,14 @@ def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
             chunk.zero_grad_buffer()
         optimizer.zero_grad()
         outputs = forward_backward(
-            forward_step_func=forward_step, data_iterator=iterators if len(model) > 1 else iterators[0],
-            model=model if len(model) > 1 else model[0], num_microbatches=layout.grad_accum,
-            seq_length=layout.seq_length, micro_batch_size=layout.micro_batch, forward_only=False)
+            forward_step_func=forward_step,
+            data_iterator=iterators if len(model) > 1 else iterators[0],
+            model=model if len(model) > 1 else model[0],
+            num_microbatches=layout.grad_accum,
+            seq_length=layout.seq_length,
+            micro_batch_size=layout.micro_batch,
+            forward_only=False,
+        )
         # Mean loss over micro-batches and data-parallel replicas, and the number of ranks with
         # non-finite gradients, in one collective. With fp16 the loss scaler owns the gradient
         # check (an overflow is routine there: the optimizer skips the step itself).
@@ -255,8 +288,10 @@ def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
             if fault.nan_action == "stop":
                 finish_async_saves()
                 metrics.close(run_dir, complete=False)
-                raise FloatingPointError(f"{what} at step {step}; stopping with the last good checkpoint "
-                                         f"in {checkpoints} kept (train.fault.nan_action=skip skips such steps)")
+                raise FloatingPointError(
+                    f"{what} at step {step}; stopping with the last good checkpoint "
+                    f"in {checkpoints} kept (train.fault.nan_action=skip skips such steps)"
+                )
             if torch.distributed.get_rank() == 0:
                 print(f"{what} at step {step}: update skipped (train.fault.nan_action=skip)", flush=True)
             metrics.step(step, loss, optimizer.param_groups[0]["lr"], None, True)  # no update, the schedule waits
@@ -264,14 +299,25 @@ def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
         updated, grad_norm, _ = optimizer.step()
         if updated:
             scheduler.step(increment=1)
-        metrics.step(step, loss, optimizer.param_groups[0]["lr"], None if grad_norm is None else float(grad_norm), not updated)
+        metrics.step(
+            step, loss, optimizer.param_groups[0]["lr"], None if grad_norm is None else float(grad_norm), not updated
+        )
         save_now = schedule.due(step)
         with watchdog.suspended():
             if async_queue is not None:
                 async_queue.maybe_finalize_async_calls(blocking=save_now)  # one save in flight at a time
             if save_now:
-                blocked = save_checkpoint(checkpoints, step, chunks, optimizer, scheduler, layout, cfg.checkpoint.keep_last,
-                                          fault, async_queue)
+                blocked = save_checkpoint(
+                    checkpoints,
+                    step,
+                    chunks,
+                    optimizer,
+                    scheduler,
+                    layout,
+                    cfg.checkpoint.keep_last,
+                    fault,
+                    async_queue,
+                )
                 schedule.saved(step, blocked, metrics.history[-1]["step_time_s"])
     finish_async_saves()
     losses = metrics.close(run_dir)

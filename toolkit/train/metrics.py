@@ -4,6 +4,7 @@ Throughput uses the planner's FLOP count (toolkit.plan.flops), so measured TFLOP
 comparable with `parakit plan`; the planner's predicted step time and memory sit beside the
 measured ones.
 """
+
 from __future__ import annotations
 
 import json
@@ -36,7 +37,9 @@ class Metrics:
         self.cfg, self.layout, self.enabled = cfg, layout, enabled
         self.resume = resume or Resume()
         resume_step = self.resume.step
-        flops = step_flops(cfg.model, layout.seq_length, layout.global_batch, cfg.recompute.granularity, layout.padded_vocab_size)
+        flops = step_flops(
+            cfg.model, layout.seq_length, layout.global_batch, cfg.recompute.granularity, layout.padded_vocab_size
+        )
         self.model_flops_per_step = flops.model
         self.tokens_per_step = flops.tokens
         self.peak = mfu_peak_flops(cfg)
@@ -61,19 +64,28 @@ class Metrics:
                 from tqdm import tqdm
 
                 self._bar = tqdm(total=layout.steps, desc="training", unit="step")
-            print(f"planner: predicted step {self.predicted_step:.3g} s, peak memory {self.predicted_memory:.2f} GiB per rank",
-                  flush=True)
+            print(
+                f"planner: predicted step {self.predicted_step:.3g} s, peak memory {self.predicted_memory:.2f} GiB "
+                "per rank",
+                flush=True,
+            )
         self._last = time.perf_counter()
 
     def step(self, step: int, loss: float, lr: float, grad_norm: float | None, skipped: bool) -> None:
         now = time.perf_counter()
         seconds, self._last = now - self._last, now
         record = {
-            "step": step, "loss": loss, "lr": lr, "grad_norm": grad_norm, "skipped": skipped, "step_time_s": seconds,
+            "step": step,
+            "loss": loss,
+            "lr": lr,
+            "grad_norm": grad_norm,
+            "skipped": skipped,
+            "step_time_s": seconds,
             "tokens_per_s": self.tokens_per_step / seconds,
             "tflops_per_gpu": self.model_flops_per_step / seconds / self.layout.world_size / 1e12,
             "mfu": self.model_flops_per_step / seconds / self.layout.world_size / self.peak,
-            "memory_gib": peak_memory_gib(), "predicted_step_time_s": self.predicted_step,
+            "memory_gib": peak_memory_gib(),
+            "predicted_step_time_s": self.predicted_step,
             "predicted_memory_gib": self.predicted_memory,
         }
         self.history.append(record)
@@ -88,12 +100,14 @@ class Metrics:
             self._bar.update(1)
             self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
         if step % self.cfg.train.log_interval == 0 or step == self.layout.steps:
-            line = (f"step {step:>5}/{self.layout.steps} | loss {loss:.4f} | lr {lr:.3e} | grad norm "
-                    f"{grad_norm if grad_norm is None else f'{grad_norm:.3f}'} | {record['step_time_s']:.2f} s "
-                    f"(planner {self.predicted_step:.2g} s) | {record['tokens_per_s']:,.0f} tok/s | "
-                    f"{record['tflops_per_gpu']:.3g} TFLOP/s/GPU | MFU {record['mfu']:.1%} | "
-                    f"{'GPU peak' if torch.cuda.is_available() else 'RSS'} {record['memory_gib']:.2f} GiB "
-                    f"(planner {self.predicted_memory:.2f} GiB{'' if torch.cuda.is_available() else ' of tensors'})")
+            line = (
+                f"step {step:>5}/{self.layout.steps} | loss {loss:.4f} | lr {lr:.3e} | grad norm "
+                f"{grad_norm if grad_norm is None else f'{grad_norm:.3f}'} | {record['step_time_s']:.2f} s "
+                f"(planner {self.predicted_step:.2g} s) | {record['tokens_per_s']:,.0f} tok/s | "
+                f"{record['tflops_per_gpu']:.3g} TFLOP/s/GPU | MFU {record['mfu']:.1%} | "
+                f"{'GPU peak' if torch.cuda.is_available() else 'RSS'} {record['memory_gib']:.2f} GiB "
+                f"(planner {self.predicted_memory:.2f} GiB{'' if torch.cuda.is_available() else ' of tensors'})"
+            )
             (self._bar.write if self._bar is not None else print)(line)
             sys.stdout.flush()
 
@@ -109,11 +123,15 @@ class Metrics:
         self._tb.close()
         if not complete:
             return losses
-        summary = {"steps": len(self.history), "losses": losses,
-                   "final_loss": self.history[-1]["loss"] if self.history else None,
-                   "mean_tokens_per_s": sum(r["tokens_per_s"] for r in self.history[1:]) / max(1, len(self.history) - 1),
-                   # which attempt of a torchrun-restarted job finished, and where it started from
-                   "restarts": restart_count(), **self.resume.record()}
+        summary = {
+            "steps": len(self.history),
+            "losses": losses,
+            "final_loss": self.history[-1]["loss"] if self.history else None,
+            "mean_tokens_per_s": sum(r["tokens_per_s"] for r in self.history[1:]) / max(1, len(self.history) - 1),
+            # which attempt of a torchrun-restarted job finished, and where it started from
+            "restarts": restart_count(),
+            **self.resume.record(),
+        }
         tmp = run_dir / ".result.json.tmp"
         tmp.write_text(json.dumps(summary, indent=2))
         os.replace(tmp, run_dir / "result.json")  # written last: a finished run has result.json

@@ -6,6 +6,7 @@ step, which always saves), and always at the last step.
 Every rank must agree on a save (it is collective): rank 0's clock and rank 0's measurements
 decide for everybody.
 """
+
 from __future__ import annotations
 
 import dataclasses
@@ -57,6 +58,9 @@ class SaveSchedule:
         checkpoint = dataclasses.replace(self.cfg.checkpoint, save_seconds=save_seconds)
         plan = checkpoint_plan(dataclasses.replace(self.cfg, checkpoint=checkpoint), self.layout, step_seconds)
         if torch.distributed.get_rank() == 0:
-            print(f"checkpoint interval: every {plan.recommended_steps} steps ({plan.recommended_minutes:.2f} min; save "
-                  f"{plan.save_seconds:.3f} s, step {step_seconds:.3f} s, job MTBF {plan.job_mtbf_hours:.2f} h)", flush=True)
+            print(
+                f"checkpoint interval: every {plan.recommended_steps} steps ({plan.recommended_minutes:.2f} min; save "
+                f"{plan.save_seconds:.3f} s, step {step_seconds:.3f} s, job MTBF {plan.job_mtbf_hours:.2f} h)",
+                flush=True,
+            )
         return plan.recommended_steps or 1

@@ -5,6 +5,7 @@ scores (baddbmm, softmax, bmm). On a GPU, torch's SDPA dispatches to FlashAttent
 memory-efficient kernel instead: no s^2 buffer, fused kernels. Same math (causal mask, scale
 1/sqrt(head_dim), grouped KV heads), so it can stand in for the local core attention.
 """
+
 from __future__ import annotations
 
 import torch.nn.functional as F
@@ -17,7 +18,9 @@ from megatron.core.transformer.enums import AttnMaskType  # noqa: E402
 
 
 class SdpaAttention(DotProductAttention):
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None):
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
         if packed_seq_params is not None or attention_bias is not None:
             raise NotImplementedError("SDPA core attention supports neither packed sequences nor attention bias")
         mask_type = attn_mask_type or self.attn_mask_type
@@ -29,7 +32,8 @@ class SdpaAttention(DotProductAttention):
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
         mask = None if causal or attention_mask is None else ~attention_mask  # megatron masks True = hide
         dropout = self.config.attention_dropout if self.training else 0.0
-        context = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal,
-                                                 scale=self.softmax_scale)
+        context = F.scaled_dot_product_attention(
+            q, k, v, attn_mask=mask, dropout_p=dropout, is_causal=causal, scale=self.softmax_scale
+        )
         # [b, heads, s, d] -> [s, b, heads * d]
         return context.permute(2, 0, 1, 3).reshape(context.size(2), context.size(0), self.hidden_size_per_partition)
