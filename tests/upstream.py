@@ -35,6 +35,6 @@ def deepspeed_accepts(ds_json: dict, dp: int, mp: int = 1):
 
 
 def megatron_accepts(sections: dict):
-    from toolkit.emit.megatron import build_megatron_configs
+    from toolkit.train.megatron_configs import build_megatron_configs
 
     return build_megatron_configs(sections)

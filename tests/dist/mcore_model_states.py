@@ -26,7 +26,8 @@ from megatron.core.optimizer import get_megatron_optimizer  # noqa: E402
 from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed  # noqa: E402
 
 from toolkit.config.store import compose_config  # noqa: E402
-from toolkit.emit.megatron import build_megatron_configs, megatron_sections  # noqa: E402
+from toolkit.emit.megatron import megatron_sections
+from toolkit.train.megatron_configs import build_megatron_configs  # noqa: E402
 from toolkit.plan.validate import check  # noqa: E402
 from toolkit.train.megatron_model import build_model_chunks  # noqa: E402
 

@@ -16,7 +16,8 @@ def main():
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from toolkit.config.store import compose_config
-    from toolkit.emit.megatron import build_megatron_configs, megatron_sections
+    from toolkit.emit.megatron import megatron_sections
+    from toolkit.train.megatron_configs import build_megatron_configs
     from toolkit.plan.layout import resolve
     from toolkit.train.megatron_model import build_model_chunks, layer_spec
 

@@ -3,8 +3,8 @@
 `megatron_sections` gives plain values (written to megatron.yaml), one section per megatron-core
 class: ModelParallelConfig + TransformerConfig fields, OptimizerConfig,
 DistributedDataParallelConfig, the OptimizerParamScheduler arguments, and GPTModel arguments.
-`build_megatron_configs` turns the sections into the real megatron-core objects; it is the only
-function here that imports torch and megatron.
+Plain data only: toolkit.train.megatron_configs turns the sections into the megatron-core objects
+(emit imports neither torch nor megatron, so that `parakit generate` runs without them).
 """
 
 from __future__ import annotations
@@ -175,31 +175,3 @@ def megatron_sections(cfg: Config, layout: Layout) -> dict:
         "gpt_model": _gpt_model(cfg, layout),
         "training": _training(cfg, layout),
     }
-
-
-def build_megatron_configs(sections: dict):
-    """(TransformerConfig, OptimizerConfig, DistributedDataParallelConfig) from the sections."""
-    import torch
-    import torch.nn.functional as F
-
-    from toolkit.train import mcore_cpu
-
-    mcore_cpu.import_shims()
-    from megatron.core.distributed import DistributedDataParallelConfig
-    from megatron.core.optimizer import OptimizerConfig
-    from megatron.core.transformer.enums import AttnBackend
-    from megatron.core.transformer.transformer_config import TransformerConfig
-
-    def dtypes(section: dict) -> dict:
-        return {k: getattr(torch, v) if k.endswith("_dtype") and isinstance(v, str) else v for k, v in section.items()}
-
-    transformer = {**dtypes(sections["model_parallel"]), **sections["transformer"]}
-    transformer["activation_func"] = {"silu": F.silu, "gelu": F.gelu}[transformer["activation_func"]]
-    transformer["attention_backend"] = AttnBackend[transformer["attention_backend"]]
-    if transformer.get("window_size") is not None:  # YAML gives a list
-        transformer["window_size"] = tuple(transformer["window_size"])
-    return (
-        TransformerConfig(**transformer),
-        OptimizerConfig(**dtypes(sections["optimizer"])),
-        DistributedDataParallelConfig(**sections["ddp"]),
-    )

@@ -16,13 +16,14 @@ import numpy as np
 import torch
 
 from toolkit.config.schema import Config
-from toolkit.emit.megatron import build_megatron_configs, megatron_sections
+from toolkit.emit.megatron import megatron_sections
 from toolkit.plan.layout import Layout
 from toolkit.train import checkpoint as ckpt
 from toolkit.train import mcore_cpu
 from toolkit.train.data import micro_batches, train_dataset
 from toolkit.train.distributed import end_process_group, init_process_group
 from toolkit.train.faults import Watchdog, first_attempt, inject_step_faults
+from toolkit.train.megatron_configs import build_megatron_configs
 from toolkit.train.metrics import Metrics
 from toolkit.train.save_schedule import SaveSchedule
 

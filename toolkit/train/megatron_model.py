@@ -11,7 +11,7 @@ import importlib.util
 
 import torch
 
-from toolkit.emit.megatron import build_megatron_configs
+from toolkit.train.megatron_configs import build_megatron_configs
 
 
 def layer_spec(transformer_config, sdpa: bool | None = None):
