@@ -32,8 +32,8 @@ def main() -> None:
     from toolkit.interop.convert import megatron_to_hf
     from toolkit.interop.hf import hf_config
     from toolkit.plan.layout import resolve
-    from toolkit.train.__main__ import load_run_config
     from toolkit.train.megatron_model import build_model_chunks
+    from toolkit.train.trainer import load_run_config
 
     cfg = load_run_config(args.config.parent, args.config.stem)
     # One process holds the whole model: tp = pp = 1 (dist_checkpointing reshards on load).

@@ -8,73 +8,11 @@ trains is the layout the validator accepted and the emitters wrote.
 from __future__ import annotations
 
 import argparse
-import logging
 import sys
-import warnings
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
-from toolkit.config.schema import Config
-from toolkit.plan.validate import ValidationError, check
-
-# Upstream notices that say nothing about this run (missing optional kernels on CPU, API
-# deprecations inside megatron-core and torch); anything else still prints.
-_NOISE = (
-    "Apex is not installed",
-    "Transformer Engine and Apex are not installed",
-    "MimoModelConfig is experimental",
-    "is not a leaf Tensor is being accessed",
-    "CUDA_DEVICE_MAX_CONNECTIONS",
-    "reduce_scatter_tensor` is deprecated",
-    "pad token id in the tokenizer collides",
-    "absl.logging is not installed",
-    "GPTModel IS DEPRECATED",
-    "full_param_layout not provided",
-    "Rerun State Machine",
-    "RerunStateMachine initialized",
-    "all_gather_into_tensor` is deprecated",
-    "full scope is deprecated",
-    "MCore's async save is deprecated",
-)
-
-
-class _DropNoise(logging.Filter):
-    def filter(self, record: logging.LogRecord) -> bool:
-        return not any(noise in record.getMessage() for noise in _NOISE)
-
-
-def quiet_upstream_notices() -> None:
-    for noise in _NOISE:
-        warnings.filterwarnings("ignore", message=f".*{noise}.*")
-    if not logging.getLogger().handlers:  # megatron-core's loggers propagate to the root handler
-        logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
-    for handler in logging.getLogger().handlers:
-        handler.addFilter(_DropNoise())
-
-
-def load_run_config(run_dir: Path, name: str = "config") -> Config:
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / f"{name}.yaml")))
-
-
-def run(cfg: Config, run_dir: Path) -> list[float]:
-    layout, _ = check(cfg)
-    if cfg.backend.name == "megatron":
-        from toolkit.train.megatron_backend import train
-    else:
-        from toolkit.train.deepspeed_backend import train
-    return train(cfg, layout, run_dir)
-
-
-def run_to_exit_code(cfg: Config, run_dir: Path) -> int:
-    """Train; a non-finite loss that stops the run (train.fault.nan_action=stop) is reported in one
-    line, not as a traceback: 1."""
-    try:
-        run(cfg, run_dir)
-    except FloatingPointError as error:
-        print(f"parakit train: {error}", file=sys.stderr, flush=True)
-        return 1
-    return 0
+from toolkit.plan.validate import ValidationError
+from toolkit.train.trainer import load_run_config, quiet_upstream_notices, run_to_exit_code
 
 
 def main(argv: list[str] | None = None) -> int:

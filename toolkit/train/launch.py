@@ -45,7 +45,7 @@ def train_here(cfg: Config, layout: Layout, run_dir: Path) -> int:
         )
         return 2
     if layout.world_size == 1 or "LOCAL_RANK" in os.environ:
-        from toolkit.train.__main__ import quiet_upstream_notices, run_to_exit_code
+        from toolkit.train.trainer import quiet_upstream_notices, run_to_exit_code
 
         quiet_upstream_notices()
         return run_to_exit_code(cfg, run_dir)
