@@ -1,6 +1,9 @@
 """`parakit validate|generate` as a user runs it: exit codes, messages, the five files."""
 
+import importlib.metadata
 import json
+import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -101,3 +104,84 @@ def test_multirun_sweeps_zero_stages(tmp_path):
         json.loads(p.read_text())["zero_optimization"]["stage"] for p in (tmp_path / "sweep").glob("*/deepspeed.json")
     )
     assert stages == [0, 1, 2, 3]
+
+
+@pytest.mark.parametrize(
+    "override,expected",
+    [
+        ("recipe=llama3_8b_8xhundred", "Did you mean recipe=llama3_8b_8xh100?"),
+        ("recipe=../../etc/passwd", "not a path"),
+    ],
+)
+def test_unknown_or_path_option_is_one_clear_error(tmp_path, override, expected):
+    result = parakit("validate", override, cwd=tmp_path)
+    assert result.returncode == 1 and result.stdout == ""
+    assert expected in result.stderr and "tiny_cpu_demo" in result.stderr  # the available names
+    assert result.stderr.count("\n") == 1 and "Traceback" not in result.stderr
+
+
+def test_user_recipe_via_config_dir_and_environment(tmp_path):
+    from user_configs import write_user_configs
+
+    user = write_user_configs(tmp_path / "team")
+    result = parakit("validate", "--config-dir", str(user), "recipe=my_recipe", cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("my_model on cpu")
+    env = {**os.environ, "PARAKIT_CONFIG_PATH": str(user)}
+    result = subprocess.run(
+        [sys.executable, "-m", "toolkit.cli", "validate", "recipe=my_recipe"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert result.returncode == 0 and result.stdout.startswith("my_model on cpu"), result.stderr
+
+
+def test_version_and_help(tmp_path, capsys):
+    from toolkit.cli import main
+
+    assert main(["--version"]) == 0
+    assert capsys.readouterr().out.strip() == f"parakit {importlib.metadata.version('parakit')}"
+    from user_configs import write_user_configs
+
+    user = write_user_configs(tmp_path / "team")
+    assert main(["plan", "--help", "--config-dir", str(user)]) == 0
+    text = capsys.readouterr().out
+    for option in ("--top N", "--json", "--config-dir DIR"):
+        assert option in text
+    section = text.split("\nconfig groups")[1].split("config search path")[0]
+    groups = {g: set(re.split(r"[,\s]+", c)) for g, c in re.findall(r"^  (\w+) +(.+(?:\n {14}.+)*)", section, re.M)}
+    assert {"my_recipe", "llama3_8b_8xh100"} <= groups["recipe"] and "my_model" in groups["model"]
+    assert set(groups) >= {"model", "cluster", "recipe", "zero", "parallel", "precision", "data"}
+    assert main(["validate", "--help"]) == 0
+    text = capsys.readouterr().out
+    assert "--config-dir" in text and "--top" not in text
+
+
+def test_options_are_parsed_per_call(tmp_path, monkeypatch, capsys):
+    from toolkit.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["plan", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"]
+    assert main(["plan"]) == 0
+    second = capsys.readouterr().out
+    assert not second.lstrip().startswith("{") and "decision path" in second
+    assert main(["validate", "recipe=nope"]) == 1 and main(["validate"]) == 0
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    "overrides,line",
+    [
+        (["data=synthetic"], "data: synthetic (random tokens)"),
+        (["data=corpus"], "data: corpus (the bundled King James Bible, GPT-2 BPE)"),
+        (["data=corpus", "data.path=/data/my_corpus_text_document"], "data: corpus (/data/my_corpus_text_document)"),
+    ],
+)
+def test_summary_says_which_data(tmp_path, overrides, line):
+    result = parakit("validate", *overrides, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    assert line in result.stdout.splitlines()

@@ -1,37 +1,77 @@
-"""`parakit COMMAND [hydra overrides]`.
+"""`parakit COMMAND [OPTIONS] [hydra overrides]`.
 
   parakit validate model=llama3_70b cluster=h100_cluster parallel.tp=8 parallel.pp=4
   parakit generate recipe=llama3_8b_8xh100
   parakit generate -m zero=0,1,2,3          # Hydra multirun: one run directory per choice
   parakit plan model=llama3_70b cluster=h100_cluster train.global_batch=512 [--top 10] [--json]
+  parakit validate --config-dir ~/team-configs recipe=our_recipe
 
-Each command is a Hydra app over conf/: overrides, `--cfg job`, `--help` and multirun work as
-in any Hydra program. Exit codes: 0 ok (warnings allowed), 2 validation errors, 1 composition
-errors (a wrong type, an unknown key or group option; Hydra prints which).
+Each command is a Hydra app over the config search path (the package's conf/, then
+--config-dir and $PARAKIT_CONFIG_PATH): overrides, `--cfg job` and multirun work as in any Hydra
+program. `COMMAND` is looked up in COMMANDS, whose options are parsed afresh on every call.
+Exit codes: 0 ok (warnings allowed), 2 validation errors or a bad option, 1 composition errors
+(a wrong type, an unknown key, an unknown group option or a bad config directory).
 """
 
 from __future__ import annotations
 
+import argparse
 import sys
+import textwrap
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Callable
 
-USAGE = """usage: parakit COMMAND [OVERRIDES...]
+# What each data choice trains on, for the summary line (data.path, when set, is named instead).
+DATA_DESCRIPTIONS = {
+    "corpus": "the bundled King James Bible, GPT-2 BPE",
+    "synthetic": "random tokens",
+}
 
-commands:
-  validate   check a composed configuration; print every error and warning with its fix
-  generate   validate, then write config.yaml, deepspeed.json, megatron.yaml,
-             megatron_args.txt and launch.sh into the Hydra run directory
-  plan       search every valid layout for the model on the cluster, drop those that do not
-             fit, rank the rest by predicted throughput (--top N, --json for machines)
-  train      validate, generate the run directory, then train: in this process for one
-             rank, through torchrun for several (cluster.gpus_per_node ranks on this machine)
 
-overrides are Hydra's: model=llama3_8b cluster=8xh100 parallel.tp=8 zero=1 precision=bf16
-recompute=selective backend=megatron train.global_batch=512 recipe=NAME (see conf/ and recipes/)
-"""
+@dataclass(frozen=True)
+class Option:
+    """One command-line option of a command (argparse.add_argument arguments)."""
 
-_exit_code = 0
-_plan_options = {"top": 10, "as_json": False}
+    flags: tuple[str, ...]
+    kwargs: dict
+
+
+@dataclass(frozen=True)
+class Command:
+    """One `parakit COMMAND`: what it does, its own options and the function that runs it."""
+
+    name: str
+    description: str
+    handler: Callable[[object, argparse.Namespace], int]  # (Config, parsed options) -> exit code
+    options: tuple[Option, ...] = ()
+    writes: bool = False  # writes a run directory (else: no run directory, no log file)
+
+
+def _positive_int(text: str) -> int:
+    if not text.isdigit() or int(text) < 1:
+        raise argparse.ArgumentTypeError(f"takes a positive whole number, got {text!r}")
+    return int(text)
+
+
+CONFIG_DIR = Option(
+    ("--config-dir",),
+    dict(
+        action="append",
+        default=[],
+        metavar="DIR",
+        help="add DIR's config groups (model/, cluster/, recipe/, ...) to the search path; repeatable. "
+        "$PARAKIT_CONFIG_PATH (os.pathsep-separated) adds more",
+    ),
+)
+
+
+def _data_line(cfg) -> str:
+    data = cfg.data
+    name = getattr(data.name, "value", data.name)  # an Enum once the schema types it
+    if data.path:
+        return f"data: {name} ({data.path})"
+    return f"data: {name} ({DATA_DESCRIPTIONS.get(name, 'see conf/data')})"
 
 
 def _summary(cfg, layout) -> str:
@@ -46,22 +86,16 @@ def _summary(cfg, layout) -> str:
         f"{layout.dp}; "
         f"seq {layout.seq_length}; {layout.steps} steps; pipeline bubble {layout.bubble_fraction:.1%}\n"
         f"lr {layout.lr:.3g} -> {layout.min_lr:.3g} ({cfg.optim.decay_style}, scaling {cfg.optim.lr_scaling}), "
-        f"warmup {layout.warmup_steps} steps"
+        f"warmup {layout.warmup_steps} steps\n"
+        f"{_data_line(cfg)}"
     )
 
 
-def _run(command: str, cfg_node) -> int:
-    from hydra.core.hydra_config import HydraConfig
-
-    from toolkit.config.store import to_config
+def _checked_layout(command: str, cfg):
+    """Validate and print warnings, errors and the summary; the resolved layout, or None on errors."""
     from toolkit.plan.layout import resolve
     from toolkit.plan.validate import validate
 
-    cfg = to_config(cfg_node)
-    if command == "plan":
-        from toolkit.plan.report import plan_command
-
-        return plan_command(cfg, **_plan_options)
     report = validate(cfg)
     for violation in report.warnings:
         print(violation, file=sys.stderr)
@@ -69,80 +103,193 @@ def _run(command: str, cfg_node) -> int:
         print(f"parakit {command}: {len(report.errors)} error(s); nothing was generated.", file=sys.stderr)
         for violation in report.errors:
             print(violation, file=sys.stderr)
-        return 2
+        return None, report
     layout = resolve(cfg)
     print(_summary(cfg, layout))
-    if command in ("generate", "train"):
-        from toolkit.emit.files import write_run_files
+    return layout, report
 
-        out_dir = Path(HydraConfig.get().runtime.output_dir)
-        for path in write_run_files(cfg, layout, out_dir):
-            print(f"wrote {path}")
-        if command == "train":
-            from toolkit.train.launch import train_here
 
-            return train_here(cfg, layout, out_dir)
-    else:
-        print("valid" + (f" ({len(report.warnings)} warning(s))" if report.warnings else ""))
+def _validate(cfg, opts) -> int:
+    layout, report = _checked_layout("validate", cfg)
+    if layout is None:
+        return 2
+    print("valid" + (f" ({len(report.warnings)} warning(s))" if report.warnings else ""))
     return 0
 
 
-def _take_plan_options(args: list[str]) -> list[str] | None:
-    """Strip `--json` and `--top N` (plan's own options) from the Hydra overrides."""
-    rest, it = [], iter(args)
-    for arg in it:
-        if arg == "--json":
-            _plan_options["as_json"] = True
-        elif arg == "--top" or arg.startswith("--top="):
-            value = arg.split("=", 1)[1] if "=" in arg else next(it, "")
-            if not value.isdigit() or int(value) < 1:
-                print(f"parakit plan: --top takes a positive whole number, got {value!r}", file=sys.stderr)
-                return None
-            _plan_options["top"] = int(value)
-        else:
-            rest.append(arg)
-    return rest
+def _write_run_dir(command: str, cfg):
+    """Validate, then write the run files into Hydra's output directory: (layout, dir) or None."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from toolkit.emit.files import write_run_files
+
+    layout, _ = _checked_layout(command, cfg)
+    if layout is None:
+        return None
+    out_dir = Path(HydraConfig.get().runtime.output_dir)
+    for path in write_run_files(cfg, layout, out_dir):
+        print(f"wrote {path}")
+    return layout, out_dir
 
 
-def main(argv: list[str] | None = None) -> int:
-    global _exit_code
-    argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] in ("-h", "--help", "help"):
-        print(USAGE)
-        return 0
-    command, overrides = argv[0], argv[1:]
-    if command == "plan":
-        overrides = _take_plan_options(overrides)
-        if overrides is None:
-            return 2
-    if command not in ("validate", "generate", "plan", "train"):
-        print(f"parakit: unknown command {command!r}\n\n{USAGE}", file=sys.stderr)
+def _generate(cfg, opts) -> int:
+    return 0 if _write_run_dir("generate", cfg) else 2
+
+
+def _train(cfg, opts) -> int:
+    written = _write_run_dir("train", cfg)
+    if written is None:
         return 2
+    from toolkit.train.launch import train_here
 
+    return train_here(cfg, *written)
+
+
+def _plan(cfg, opts) -> int:
+    from toolkit.plan.report import plan_command
+
+    return plan_command(cfg, top=opts.top, as_json=opts.json)
+
+
+COMMANDS = {
+    c.name: c
+    for c in (
+        Command("validate", "check a composed configuration; print every error and warning with its fix", _validate),
+        Command(
+            "generate",
+            "validate, then write config.yaml, deepspeed.json, megatron.yaml, megatron_args.txt and launch.sh "
+            "into the Hydra run directory",
+            _generate,
+            writes=True,
+        ),
+        Command(
+            "plan",
+            "search every valid layout for the model on the cluster, drop those that do not fit, rank the rest "
+            "by predicted throughput",
+            _plan,
+            options=(
+                Option(("--top",), dict(type=_positive_int, default=10, metavar="N", help="layouts to list")),
+                Option(("--json",), dict(action="store_true", help="print JSON for machines")),
+            ),
+        ),
+        Command(
+            "train",
+            "validate, generate the run directory, then train: in this process for one rank, through torchrun "
+            "for several (cluster.gpus_per_node ranks on this machine)",
+            _train,
+            writes=True,
+        ),
+    )
+}
+
+
+def _usage() -> str:
+    lines = ["usage: parakit COMMAND [OPTIONS] [OVERRIDES...]", "       parakit --version", "", "commands:"]
+    for c in COMMANDS.values():
+        lines += textwrap.wrap(c.description, 90, initial_indent=f"  {c.name:<10} ", subsequent_indent=" " * 13)
+    lines += [
+        "",
+        "overrides are Hydra's: model=llama3_8b cluster=8xh100 parallel.tp=8 zero=1 precision=bf16",
+        "recompute=selective backend=megatron train.global_batch=512 recipe=NAME",
+        "`parakit COMMAND --help` lists the command's options and every config group with its choices.",
+    ]
+    return "\n".join(lines)
+
+
+def _parser(command: Command) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=f"parakit {command.name}",
+        usage=f"parakit {command.name} [OPTIONS] [OVERRIDES...]",
+        description=command.description,
+        add_help=False,
+        allow_abbrev=False,  # `-m` and other Hydra flags pass through untouched
+    )
+    parser.add_argument("-h", "--help", action="store_true", help="show this help: options and config groups")
+    for option in (*command.options, CONFIG_DIR):
+        parser.add_argument(*option.flags, **option.kwargs)
+    return parser
+
+
+def _help(parser: argparse.ArgumentParser, dirs: list[Path]) -> str:
+    from toolkit.config.store import group_options
+
+    lines = [
+        parser.format_help().rstrip(),
+        "",
+        "Hydra's flags work as in any Hydra app: --cfg job, -m/--multirun, --info, --hydra-help.",
+        "",
+        "config groups (GROUP=OPTION; any field as GROUP.FIELD=VALUE):",
+    ]
+    for group, names in group_options(dirs).items():
+        lines += textwrap.wrap(", ".join(names), 100, initial_indent=f"  {group:<11} ", subsequent_indent=" " * 14)
+    lines += ["", "config search path: " + ", ".join(str(d) for d in dirs)]
+    return "\n".join(lines)
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("parakit")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def _run_hydra_app(command: Command, opts: argparse.Namespace, args: list[str]) -> int:
+    """Compose with Hydra (single run or multirun) and run the command's handler on each config."""
     import hydra
 
-    from toolkit.config.store import conf_dir, quote_numeric_choices, register_schema
+    from toolkit.config.store import hydra_overrides, register_schema, search_path, to_config
 
-    register_schema()
-    extra = []
-    if command in ("validate", "plan"):  # these write nothing: no run directory, no log file
+    dirs = search_path(opts.config_dir)
+    overrides = hydra_overrides(args, dirs)
+    if not command.writes:
+        user_keys = {o.split("=", 1)[0].lstrip("+~") for o in args}
         extra = ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=none", "hydra/hydra_logging=none"]
-    user_keys = {o.split("=", 1)[0].lstrip("+~") for o in overrides}
-    extra = [o for o in extra if o.split("=", 1)[0] not in user_keys]
+        overrides += [o for o in extra if o.split("=", 1)[0] not in user_keys]
+    register_schema()
+    codes = [0]  # one per job: a multirun exits with the worst
 
-    @hydra.main(config_path=str(conf_dir()), config_name="config", version_base="1.3")
+    @hydra.main(config_path=str(dirs[0]), config_name="config", version_base="1.3")
     def app(cfg_node) -> None:
-        global _exit_code
-        _exit_code = max(_exit_code, _run(command, cfg_node))
+        codes.append(command.handler(to_config(cfg_node), opts))
 
-    _exit_code = 0
     saved_argv = sys.argv
-    sys.argv = [f"parakit {command}", *quote_numeric_choices(overrides), *extra]
+    sys.argv = [f"parakit {command.name}", *overrides]  # hydra.main reads its arguments from sys.argv
     try:
         app()
     finally:
         sys.argv = saved_argv
-    return _exit_code
+    return max(codes)
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run `parakit COMMAND ...` and return its exit code; nothing outlives the call."""
+    from toolkit.config.store import SearchPathError, UnknownOptionError, search_path
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help", "help"):
+        print(_usage())
+        return 0
+    if argv[0] == "--version":
+        print(f"parakit {_version()}")
+        return 0
+    command = COMMANDS.get(argv[0])
+    if command is None:
+        print(f"parakit: unknown command {argv[0]!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    parser = _parser(command)
+    try:
+        opts, rest = parser.parse_known_args(argv[1:])
+        if opts.help:
+            print(_help(parser, search_path(opts.config_dir)))
+            return 0
+        return _run_hydra_app(command, opts, rest)
+    except (SearchPathError, UnknownOptionError) as e:
+        print(f"parakit {command.name}: {e}", file=sys.stderr)
+        return 1
+    except SystemExit as e:  # argparse (bad option: 2) and Hydra (composition error: 1) exit
+        return e.code if isinstance(e.code, int) else 1
 
 
 if __name__ == "__main__":

@@ -1,40 +1,145 @@
-"""Registers the typed schema in Hydra's ConfigStore and composes configurations.
+"""Registers the typed schema in Hydra's ConfigStore, finds the config search path and composes.
 
-`conf/config.yaml` names `parakit_schema` first in its defaults list, so every group file is
-merged into the dataclasses of `toolkit.config.schema`: a wrong type or an unknown key fails at
-composition, before the validator runs.
+`conf/config.yaml` (shipped inside the package, `toolkit/conf`) names `parakit_schema` first in
+its defaults list, so every group file is merged into the dataclasses of `toolkit.config.schema`:
+a wrong type or an unknown key fails at composition, before the validator runs.
+
+The search path is the package's conf/ followed by the user's directories (`--config-dir DIR`,
+then the `PARAKIT_CONFIG_PATH` entries): each holds group folders (`model/`, `cluster/`,
+`recipe/`, ...). A user option adds a name; it cannot replace a shipped one, so every name means
+one file and a clash is an error rather than a silent choice of one of them.
 """
 
 from __future__ import annotations
 
+import difflib
 import os
 import re
+from collections.abc import Sequence
+from importlib.resources import files
 from pathlib import Path
 
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
+from hydra.core.override_parser.overrides_parser import OverridesParser
+from hydra.core.override_parser.types import ValueType
+from hydra.errors import HydraException, MissingConfigException
 from omegaconf import OmegaConf
 
 from toolkit.config.schema import Config
 
 SCHEMA_NAME = "parakit_schema"
+CONFIG_PATH_ENV = "PARAKIT_CONFIG_PATH"
+_NAME_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+
+
+class SearchPathError(ValueError):
+    """A user config directory that does not exist, or whose options clash with another's."""
+
+
+class UnknownOptionError(MissingConfigException):
+    """A config group option that no directory of the search path holds (or a path, refused)."""
 
 
 def register_schema() -> None:
+    """Put the typed schema in Hydra's ConfigStore under the name config.yaml's defaults use."""
     ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
 
 
 def conf_dir() -> Path:
-    """The conf/ folder: $PARAKIT_CONF_DIR, else the checkout this package lives in."""
-    if "PARAKIT_CONF_DIR" in os.environ:
-        return Path(os.environ["PARAKIT_CONF_DIR"]).resolve()
-    return Path(__file__).resolve().parents[2] / "conf"
+    """The conf/ folder shipped inside the installed package."""
+    return Path(str(files("toolkit") / "conf"))
 
 
-def quote_numeric_choices(overrides: list[str]) -> list[str]:
+def search_path(config_dirs: Sequence[str | Path] = ()) -> list[Path]:
+    """The package's conf/, then `config_dirs`, then the `PARAKIT_CONFIG_PATH` entries (os.pathsep
+    separated). Raises SearchPathError for a directory that is missing or that holds a file
+    (`model/tiny.yaml`, `config.yaml`) another directory of the path already has."""
+    given = [(str(d), "--config-dir") for d in config_dirs]
+    given += [(d, CONFIG_PATH_ENV) for d in os.environ.get(CONFIG_PATH_ENV, "").split(os.pathsep) if d]
+    dirs = [conf_dir()]
+    for raw, source in given:
+        path = Path(raw).expanduser().resolve()
+        if not path.is_dir():
+            raise SearchPathError(f"{source} {raw}: not a directory")
+        if path not in dirs:
+            dirs.append(path)
+    owner: dict[Path, Path] = {}
+    for d in dirs:
+        for file in d.rglob("*.yaml"):
+            rel = file.relative_to(d)
+            if rel in owner:
+                raise SearchPathError(
+                    f"{file}: {owner[rel] / rel} has this name already; rename the user option "
+                    "(options add names to the search path, they cannot replace one)"
+                )
+            owner[rel] = d
+    return dirs
+
+
+def group_options(dirs: Sequence[Path]) -> dict[str, list[str]]:
+    """Config group -> its option names, over every directory of the search path."""
+    options: dict[str, set[str]] = {}
+    for d in dirs:
+        for group in d.iterdir():
+            if group.is_dir():
+                options.setdefault(group.name, set()).update(p.stem for p in group.glob("*.yaml"))
+    return {group: sorted(names) for group, names in sorted(options.items()) if names}
+
+
+def _values(override) -> list:
+    """The option names one parsed override asks for (every choice of a sweep)."""
+    if override.is_delete() or override.value_type in (ValueType.GLOB_CHOICE_SWEEP, ValueType.INTERVAL_SWEEP):
+        return []
+    if override.is_sweep_override():  # a quoted choice ('3') stays a QuotedString here
+        return [getattr(v, "text", v) for v in override.sweep_iterator()]
+    return [override.value()]
+
+
+def check_overrides(overrides: Sequence[str], dirs: Sequence[Path]) -> None:
+    """Raise UnknownOptionError for a group option (`recipe=NAME`) that no directory of the search
+    path holds, naming the available options and the closest one; a path (`..`, absolute) is
+    refused before anything is read. Hydra itself reports overrides that do not parse."""
+    groups = group_options(dirs)
+    parser = OverridesParser.create()
+    for text in overrides:
+        if text.startswith("-") or "=" not in text:
+            continue  # a Hydra flag (`--cfg job`, `-m`), not an override
+        try:
+            (override,) = parser.parse_overrides([text])
+        except HydraException:
+            continue
+        group = override.key_or_group
+        if group == "hydra.searchpath":
+            raise SearchPathError(f"{text}: add config directories with --config-dir DIR or ${CONFIG_PATH_ENV}")
+        if group not in groups:
+            continue
+        for value in _values(override):
+            if value is None:
+                continue  # `recipe=null`: no option
+            value = str(value)
+            parts = value.split("/")
+            is_name = all(_NAME_PART.fullmatch(p) for p in parts)
+            if is_name and any((d / group / f"{value}.yaml").is_file() for d in dirs):
+                continue
+            available = ", ".join(groups[group])
+            if not is_name:
+                raise UnknownOptionError(
+                    f"{group}={value}: an option is a name from the config search path, not a path "
+                    f"('..', '/' at the start and other characters are refused). Available: {available}"
+                )
+            close = difflib.get_close_matches(value, groups[group], n=1)
+            hint = f" Did you mean {group}={close[0]}?" if close else ""
+            where = ", ".join(str(d) for d in dirs)
+            raise UnknownOptionError(
+                f"{group}={value}: no {group} of that name.{hint} Available: {available} (search path: {where})"
+            )
+
+
+def quote_numeric_choices(overrides: list[str], dirs: Sequence[Path] | None = None) -> list[str]:
     """`zero=3` -> `zero='3'`: Hydra's override grammar reads 3 as an integer, but a config
     group option is a file name. Also covers sweeps (`zero=0,1,2,3`) and `+`/`~` prefixes."""
-    groups = {p.name for p in conf_dir().iterdir() if p.is_dir()}
+    groups = set(group_options(dirs or [conf_dir()]))
     out = []
     for override in overrides:
         key, sep, value = override.partition("=")
@@ -44,13 +149,28 @@ def quote_numeric_choices(overrides: list[str]) -> list[str]:
     return out
 
 
+def hydra_overrides(overrides: Sequence[str], dirs: Sequence[Path]) -> list[str]:
+    """The user's overrides, checked and quoted, plus `hydra.searchpath` for the user directories
+    (Hydra searches them after the package's conf/, which stays the primary config's home)."""
+    quoted = quote_numeric_choices(list(overrides), dirs)
+    check_overrides(quoted, dirs)
+    users = [str(d).replace("'", "\\'") for d in dirs[1:]]
+    if users:
+        quoted.append("hydra.searchpath=[" + ",".join(f"'file://{d}'" for d in users) + "]")
+    return quoted
+
+
 def to_config(cfg) -> Config:
     """A composed OmegaConf node -> plain `Config` dataclasses (what toolkit.plan reads)."""
     return OmegaConf.to_object(cfg)
 
 
-def compose_config(overrides: list[str] | None = None) -> Config:
-    """Compose conf/ with Hydra overrides, outside a Hydra app (tests, notebooks)."""
+def compose_config(overrides: list[str] | None = None, config_dirs: Sequence[str | Path] = ()) -> Config:
+    """Compose the search path (the package's conf/, `config_dirs`, $PARAKIT_CONFIG_PATH) with Hydra
+    overrides, outside a Hydra app (tests, notebooks). Raises UnknownOptionError for an unknown
+    group option and SearchPathError for a bad config directory."""
     register_schema()
-    with initialize_config_dir(config_dir=str(conf_dir()), version_base="1.3"):
-        return to_config(compose(config_name="config", overrides=quote_numeric_choices(list(overrides or []))))
+    dirs = search_path(config_dirs)
+    final = hydra_overrides(list(overrides or []), dirs)
+    with initialize_config_dir(config_dir=str(dirs[0]), version_base="1.3"):
+        return to_config(compose(config_name="config", overrides=final))
