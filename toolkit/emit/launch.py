@@ -7,6 +7,7 @@ Slurm's `srun` with one task per node for multi-node runs, as the PyTorch elasti
 from __future__ import annotations
 
 from toolkit.config.schema import Config
+from toolkit.plan.backends import backend_of
 from toolkit.plan.layout import Layout
 
 RDZV_PORT = 29500
@@ -18,7 +19,7 @@ def _entry(cfg: Config) -> str:
     lines = [
         'ENTRY=(-m toolkit.train --config-dir "$RUN_DIR" --config-name config)',
     ]
-    if cfg.backend.name == "megatron":
+    if backend_of(cfg).megatron_lm_entry:
         lines += [
             'if [[ "${PARAKIT_ENTRY:-parakit}" == megatron-lm ]]; then',
             "  # Megatron-LM checkout: MEGATRON_LM_DIR=/path/to/Megatron-LM",

@@ -12,6 +12,7 @@ import math
 from dataclasses import dataclass
 
 from toolkit.config.schema import Config
+from toolkit.plan.backends import backend_of
 
 
 @dataclass(frozen=True)
@@ -145,10 +146,9 @@ def resolve(cfg: Config) -> Layout:
         global_batch=t.global_batch,
         grad_accum=grad_accum,
         seq_length=cfg.model.seq_length,
-        # The deepspeed backend trains transformers models, whose embeddings are not padded.
-        padded_vocab_size=cfg.model.vocab_size
-        if cfg.backend.name == "deepspeed"
-        else padded_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by, p.tp),
+        padded_vocab_size=padded_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by, p.tp)
+        if backend_of(cfg).pads_vocab
+        else cfg.model.vocab_size,
         stage_layers=stage_layer_counts(cfg.model.num_layers, p.pp, p.vpp, p.first_stage_layers, p.last_stage_layers),
         steps=steps,
         lr=o.lr * factor,

@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from toolkit.config.schema import Config, ModelConfig
+from toolkit.plan.backends import Backend, GradReduce, backend_named, backend_of
 from toolkit.plan.layout import Layout
 from toolkit.plan.params import head_dim, kv_heads, layer_params, stage_params
 
@@ -48,7 +49,7 @@ class ModelStates:
 def model_state_bytes(
     params: int,
     dtype: str,
-    backend: str,
+    backend: str | Backend,
     zero: int,
     shard: int,
     grad_reduce_in_fp32: bool = True,
@@ -56,26 +57,29 @@ def model_state_bytes(
     offload_param: bool = False,
 ) -> ModelStates:
     """Device bytes of parameters, gradients and optimizer states for `params` parameters on a
-    rank whose optimizer states are sharded `shard` ways."""
+    rank whose optimizer states are sharded `shard` ways (ZeRO, Rajbhandari et al. 2020, section 5;
+    Megatron's distributed optimizer shards the optimizer states only)."""
+    be = backend if isinstance(backend, Backend) else backend_named(backend)
     p = float(params)
     if dtype == "fp32":
         weight, grad, master = 4, 4, 0
     else:
         weight, master = 2, 4
-        grad = 4 if (backend == "megatron" and grad_reduce_in_fp32) else 2
+        grad = 4 if (be.fp32_grad_reduce and grad_reduce_in_fp32) else 2
     adam = 8
-    if backend == "megatron":
-        optimizer = (master + adam) * p / (shard if zero >= 1 else 1)
-        return ModelStates(weight * p, grad * p, optimizer)
+
+    def sharded_from(stage: int | None) -> int:
+        return shard if stage is not None and zero >= stage else 1
+
     # DeepSpeed: stages >= 1 keep an fp32 master partition even for fp32 params.
-    master = 4 if zero >= 1 else master
-    weights = weight * p / (shard if zero >= 3 else 1)
-    grads = grad * p / (shard if zero >= 1 else 1)
-    optimizer = (master + adam) * p / (shard if zero >= 1 else 1)
-    if offload_optimizer:
+    master = 4 if be.fp32_master_from_stage is not None and zero >= be.fp32_master_from_stage else master
+    weights = weight * p / sharded_from(be.shards_params_from_stage)
+    grads = grad * p / sharded_from(be.shards_grads_from_stage)
+    optimizer = (master + adam) * p / sharded_from(1)
+    if offload_optimizer and be.offload:
         optimizer = 0.0
         grads = grads if zero < 2 else 0.0  # reduced gradients stream to host memory
-    if offload_param:
+    if offload_param and be.offload:
         weights = 0.0
     return ModelStates(weights, grads, optimizer)
 
@@ -153,11 +157,12 @@ def stage_memory(cfg: Config, layout: Layout, stage: int, flash: bool | None = N
     nbytes = DTYPE_BYTES[dtype]
     params = stage_params(m, layout.padded_vocab_size, layout.tp, layout.pp, stage, layout.stage_layers[stage])
     shard = layout.dp * layout.cp  # Megatron's distributed optimizer and ZeRO shard over DP x CP
-    zero_stage = z.stage if cfg.backend.name == "deepspeed" else min(z.stage, 1)
+    backend = backend_of(cfg)
+    zero_stage = backend.effective_zero(z.stage)
     states = model_state_bytes(
         params.total,
         dtype,
-        cfg.backend.name,
+        backend,
         zero_stage,
         shard,
         cfg.precision.grad_reduce_in_fp32,
@@ -185,9 +190,10 @@ def stage_memory(cfg: Config, layout: Layout, stage: int, flash: bool | None = N
         logits = tokens * layout.padded_vocab_size / layout.tp * (nbytes + 4 + 4)
 
     buffers = 2 * tokens * m.hidden_size * nbytes  # pipeline send/recv or sequence-parallel all-gather
-    if cfg.backend.name == "deepspeed" and zero_stage >= 1:
+    if backend.grad_reduce is GradReduce.ZERO_STAGED and zero_stage >= 1:
         buffers += z.reduce_bucket_size * nbytes  # gradient reduction bucket
-        if zero_stage == 3:  # prefetched and live gathered parameters: at least one layer
+        # prefetched and live gathered parameters: at least one layer
+        if backend.shards_params_from_stage is not None and zero_stage >= backend.shards_params_from_stage:
             buffers += max(z.stage3_prefetch_bucket_size, layer_params(m)) * nbytes
     allowance = FRAGMENTATION * (activations + logits + buffers) + (CUDA_RUNTIME_BYTES if on_gpu else 0.0)
     return MemoryEstimate(

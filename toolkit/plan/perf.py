@@ -19,6 +19,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from toolkit.config.schema import Config
+from toolkit.plan.backends import GradReduce, backend_of
 from toolkit.plan.flops import step_flops
 from toolkit.plan.layout import Layout
 from toolkit.plan.memory import DTYPE_BYTES
@@ -33,10 +34,6 @@ COLLECTIVE_LATENCY_S = 20e-6
 ATTENTION_EFFICIENCY = 0.75
 # Half of a GEMM dimension at which a tile-based kernel reaches half its large-shape efficiency.
 GEMM_HALF_SIZE = 128
-# Element-wise kernels (norms, RoPE, residual adds, activations): Megatron with Transformer
-# Engine fuses them; eager PyTorch (transformers models under DeepSpeed) launches each op
-# separately and moves about 2.5x the bytes (e.g. RMSNorm as pow, mean, rsqrt, mul, mul).
-ELEMENTWISE_TRAFFIC = {"megatron": 1.0, "deepspeed": 2.5}
 # Communication overlapped with compute still slows it: NCCL kernels occupy SMs and memory
 # bandwidth (Jangda et al. 2022, "Breaking the Computation and Communication Abstraction
 # Barrier in Distributed Machine Learning Workloads", section 2): charge 20% of the overlap.
@@ -126,6 +123,7 @@ def _spans_nodes(cfg: Config, group_size: int, stride: int) -> bool:
 
 def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
     m, c, p = cfg.model, cfg.cluster, cfg.parallel
+    backend = backend_of(cfg)
     tp, pp, vpp, cp, dp = layout.tp, layout.pp, layout.vpp, layout.cp, layout.dp
     nbytes = DTYPE_BYTES[cfg.precision.dtype]
     peak = peak_flops(cfg) * c.gemm_efficiency * (FP8_GEMM_FRACTION if cfg.precision.dtype == "fp8" else 1.0)
@@ -150,9 +148,7 @@ def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
     else:  # batched GEMMs per head over all s^2 scores, softmax through HBM (2 passes fwd, 3 bwd / 3)
         core_fwd = 2 * 2 * tokens * seq * (q / tp) / (core_peak * shape_efficiency(seq, seq, d))
         core_fwd += 5 / 3 * heads * tokens * seq * nbytes / hbm
-    elementwise = (
-        ELEMENTWISE_TRAFFIC[cfg.backend.name] * _elementwise_bytes(m, tokens, tp, p.sequence_parallel, nbytes) / hbm
-    )
+    elementwise = backend.elementwise_traffic * _elementwise_bytes(m, tokens, tp, p.sequence_parallel, nbytes) / hbm
     tp_bw = c.intra_node_bandwidth_gbs if tp <= c.gpus_per_node else c.inter_node_bandwidth_gbs
     tp_collective = _ring_time(tokens * h * nbytes, tp, tp_bw, 2.0)
     collectives = 4 + (2 if recompute == "full" else 0)
@@ -196,14 +192,14 @@ def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
     dp_bw = c.inter_node_bandwidth_gbs if _spans_nodes(cfg, shard, tp) else c.intra_node_bandwidth_gbs
     grad_bytes = params * (
         4
-        if cfg.precision.dtype == "fp32" or (cfg.backend.name == "megatron" and cfg.precision.grad_reduce_in_fp32)
+        if cfg.precision.dtype == "fp32" or (backend.fp32_grad_reduce and cfg.precision.grad_reduce_in_fp32)
         else nbytes
     )
     overlap = 1.0 if c.device == "cuda" else 0.0
     backward_window = (2 / 3) * per_microbatch * 0.9 * overlap  # the last bucket is never overlapped
     forward_window = (1 / 3) * per_microbatch * overlap
-    zero = cfg.zero.stage if cfg.backend.name == "deepspeed" else min(cfg.zero.stage, 1)
-    if cfg.backend.name == "megatron":
+    zero = backend.effective_zero(cfg.zero.stage)
+    if backend.grad_reduce is GradReduce.OVERLAPPED_BUCKETS:
         if zero == 1:
             reduce = _ring_time(grad_bytes, shard, dp_bw, 1.0)
             gather = _ring_time(params * nbytes, shard, dp_bw, 1.0)

@@ -18,6 +18,7 @@ import time
 from dataclasses import dataclass
 
 from toolkit.config.schema import Config
+from toolkit.plan.backends import backend_of
 from toolkit.plan.layout import Layout, resolve, stage_layer_counts, world_size
 from toolkit.plan.memory import GIB, MemoryEstimate, peak_memory
 from toolkit.plan.perf import StepEstimate, estimate_step
@@ -110,11 +111,7 @@ class Candidate:
         if not parts:
             parts.append("pure data parallel")
         saving = [
-            f"ZeRO-{c.zero.stage}"
-            if c.backend.name == "deepspeed" and c.zero.stage
-            else "distributed optimizer"
-            if c.zero.stage == 1
-            else "",
+            backend_of(c).optimizer_sharding(c.zero.stage),
             "" if c.recompute.granularity == "none" else f"{c.recompute.granularity} recompute",
         ]
         saving = [s for s in saving if s]
@@ -161,14 +158,14 @@ def candidate_configs(cfg: Config):
     """Every layout worth checking, as configurations (cheap divisibility pruning only)."""
     m, t = cfg.model, cfg.train
     world = world_size(cfg)
-    megatron = cfg.backend.name == "megatron"
-    zeros = (0, 1) if megatron else (0, 1, 2, 3)
-    recomputes = ("none", "selective", "full") if megatron else ("none", "full")
-    for tp in _tp_options(cfg) if megatron else [1]:
+    backend = backend_of(cfg)
+    zeros, recomputes, dims = backend.zero_stages, backend.recompute, backend.parallel_dims
+    splits = _stage_splits if backend.uneven_pipeline_stages else lambda *_: [(None, None)]
+    for tp in _tp_options(cfg) if "tp" in dims else [1]:
         for pp in (d for d in range(1, min(world // tp, m.num_layers) + 1) if (world // tp) % d == 0):
-            for vpp in VPPS if megatron and pp > 1 else (1,):
-                for first, last in _stage_splits(m.num_layers, pp, vpp):
-                    for cp in CPS if megatron and m.seq_length >= 8192 else (1,):
+            for vpp in VPPS if "vpp" in dims and pp > 1 else (1,):
+                for first, last in splits(m.num_layers, pp, vpp):
+                    for cp in CPS if "cp" in dims and m.seq_length >= 8192 else (1,):
                         if world % (tp * pp * cp) or m.seq_length % (2 * cp) and cp > 1:
                             continue
                         dp = world // (tp * pp * cp)
@@ -185,13 +182,13 @@ def candidate_configs(cfg: Config):
                                 vpp=vpp,
                                 cp=cp,
                                 dp=None,
-                                sequence_parallel=megatron and tp > 1,
+                                sequence_parallel="sp" in dims and tp > 1,
                                 first_stage_layers=first,
                                 last_stage_layers=last,
                             )
                             train = dataclasses.replace(t, micro_batch=micro, grad_accum=None)
                             for zero, recompute in itertools.product(zeros, recomputes):
-                                if not megatron and zero >= 2 and pp > 1:
+                                if pp > 1 and zero not in backend.pipeline_zero_stages:
                                     continue
                                 yield dataclasses.replace(
                                     cfg,
@@ -218,7 +215,7 @@ def search(cfg: Config) -> SearchResult:
         capacity = cfg.cluster.gpu_memory_gb * 1e9 * (1 - HEADROOM)
         if memory.total > capacity and smallest is not None and memory.total >= smallest.memory.total:
             continue  # neither fits nor beats the smallest seen: skip the costly part
-        if not validate(candidate_cfg).ok:
+        if not validate(candidate_cfg, data=False).ok:  # a layout does not depend on the data
             continue
         valid += 1
         candidate = Candidate(candidate_cfg, layout, memory, estimate_step(candidate_cfg, layout))

@@ -5,6 +5,7 @@ of a torchrun job, or the only one), `run_to_exit_code` wraps it for a command l
 
 from __future__ import annotations
 
+import importlib
 import logging
 import sys
 import warnings
@@ -13,6 +14,7 @@ from pathlib import Path
 from omegaconf import OmegaConf
 
 from toolkit.config.schema import Config
+from toolkit.plan.backends import backend_of
 from toolkit.plan.validate import check
 
 # Upstream notices that say nothing about this run (missing optional kernels on CPU, API
@@ -56,11 +58,8 @@ def load_run_config(run_dir: Path, name: str = "config") -> Config:
 
 def run(cfg: Config, run_dir: Path) -> list[float]:
     layout, _ = check(cfg)
-    if cfg.backend.name == "megatron":
-        from toolkit.train.megatron_backend import train
-    else:
-        from toolkit.train.deepspeed_backend import train
-    return train(cfg, layout, run_dir)
+    trainer = importlib.import_module(backend_of(cfg).trainer)
+    return trainer.train(cfg, layout, run_dir)
 
 
 def run_to_exit_code(cfg: Config, run_dir: Path) -> int:

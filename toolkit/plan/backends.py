@@ -1,0 +1,160 @@
+"""What each training backend supports and how it behaves, described once.
+
+The validator, the memory and step-time models, the layout search, the emitters and the trainer's
+dispatch read these descriptions; nothing else in parakit tests a backend's name. Adding a backend
+means one description here plus one trainer module (named by `trainer`) that implements
+toolkit.train.loop's BackendSteps protocol.
+
+Pure Python (no torch): the planner reads it on a laptop.
+"""
+
+from __future__ import annotations
+
+import difflib
+from dataclasses import dataclass
+from enum import StrEnum
+
+
+class GradReduce(StrEnum):
+    """How a backend's data-parallel gradient reduction meets the backward pass."""
+
+    # Megatron DDP (overlap_grad_reduce): gradients are reduced in buckets while the last
+    # micro-batch's backward runs; the distributed optimizer all-gathers updated parameters
+    # during the next forward.
+    OVERLAPPED_BUCKETS = "overlapped_buckets"
+    # DeepSpeed: ZeRO 0/1 reduce once per step after the last backward; ZeRO-2/3 reduce-scatter
+    # every micro-batch, overlapped with its backward (overlap_comm).
+    ZERO_STAGED = "zero_staged"
+
+
+@dataclass(frozen=True)
+class Backend:
+    name: str
+    summary: str
+    trainer: str  # module holding the backend's step functions (toolkit.train.loop.BackendSteps)
+    # ZeRO stages it runs, and what a stage means there.
+    zero_stages: tuple[int, ...]
+    zero_meaning: str
+    pipeline_zero_stages: tuple[int, ...]  # stages allowed together with pipeline parallel
+    parallel_dims: frozenset[str]  # of {"tp", "pp", "vpp", "cp", "sp"}; dp always
+    recompute: tuple[str, ...]  # recompute granularities
+    precisions: tuple[str, ...]
+    offload: bool  # ZeRO optimizer/parameter offload
+    # Pipeline limits.
+    uneven_pipeline_stages: bool  # parallel.first_stage_layers / last_stage_layers
+    pipeline_tied_embeddings: bool
+    pipeline_sliding_window: bool
+    # What runs without CUDA.
+    cpu_sequence_parallel: bool
+    cpu_sliding_window: bool
+    # Model and numerics.
+    pads_vocab: bool  # embedding padded to make_vocab_size_divisible_by * tp (Megatron-LM)
+    fp32_grad_reduce: bool  # honours precision.grad_reduce_in_fp32 (fp32 main grads)
+    fp32_master_from_stage: int | None  # keeps an fp32 master copy even for fp32 params from this ZeRO stage
+    shards_grads_from_stage: int | None  # ZeRO stage from which gradients are sharded over dp
+    shards_params_from_stage: int | None  # ... and parameters
+    nan_skip_needs_overflow_check: bool  # a NaN step is dropped only by an optimizer that checks for overflow
+    # Performance model.
+    elementwise_traffic: float  # bytes moved by element-wise kernels, relative to fused kernels
+    grad_reduce: GradReduce
+    # Checkpoints, weights and launch.
+    checkpoint_format: str
+    async_save: bool
+    hf_weights: bool  # starts from a Hugging Face model directory (model.hf_path)
+    megatron_lm_entry: bool  # launch.sh can run Megatron-LM's pretrain_gpt.py instead of parakit's trainer
+
+    def effective_zero(self, stage: int) -> int:
+        """The ZeRO stage this backend actually runs for `zero.stage` (the highest it has)."""
+        return min(stage, max(self.zero_stages))
+
+    def optimizer_sharding(self, stage: int) -> str:
+        """How the memory-saving option reads in reports ("ZeRO-2", "distributed optimizer")."""
+        stage = self.effective_zero(stage)
+        if not stage:
+            return ""
+        return f"ZeRO-{stage}" if max(self.zero_stages) > 1 else "distributed optimizer"
+
+
+MEGATRON = Backend(
+    name="megatron",
+    summary="megatron-core GPTModel, TP/PP/VPP/CP/SP, interleaved 1F1B, distributed optimizer",
+    trainer="toolkit.train.megatron_backend",
+    zero_stages=(0, 1),
+    zero_meaning="stage 1 is Megatron's distributed optimizer (optimizer state sharded over dp x cp)",
+    pipeline_zero_stages=(0, 1),
+    parallel_dims=frozenset({"tp", "pp", "vpp", "cp", "sp"}),
+    recompute=("none", "selective", "full"),
+    precisions=("fp32", "bf16", "fp16", "fp8"),
+    offload=False,
+    uneven_pipeline_stages=True,
+    pipeline_tied_embeddings=True,
+    pipeline_sliding_window=True,
+    cpu_sequence_parallel=False,  # its sequence-parallel norms come from Transformer Engine or apex
+    cpu_sliding_window=False,  # sliding-window attention runs through Transformer Engine
+    pads_vocab=True,
+    fp32_grad_reduce=True,
+    fp32_master_from_stage=None,
+    shards_grads_from_stage=None,
+    shards_params_from_stage=None,
+    nan_skip_needs_overflow_check=False,  # parakit checks the gradient buffers itself
+    elementwise_traffic=1.0,  # fused kernels (Transformer Engine)
+    grad_reduce=GradReduce.OVERLAPPED_BUCKETS,
+    checkpoint_format="megatron-core dist_checkpointing, fully reshardable (loads at any dp/tp/pp)",
+    async_save=True,
+    hf_weights=False,
+    megatron_lm_entry=True,
+)
+
+DEEPSPEED = Backend(
+    name="deepspeed",
+    summary="transformers models under DeepSpeed ZeRO 0-3 with offload, DeepSpeed pipeline (1F1B)",
+    trainer="toolkit.train.deepspeed_backend",
+    zero_stages=(0, 1, 2, 3),
+    zero_meaning="ZeRO stages 1-3 shard optimizer state, then gradients, then parameters",
+    pipeline_zero_stages=(0, 1),  # DeepSpeed's PipelineEngine
+    parallel_dims=frozenset({"pp"}),
+    recompute=("none", "full"),  # transformers models checkpoint whole layers
+    precisions=("fp32", "bf16", "fp16"),
+    offload=True,
+    uneven_pipeline_stages=False,  # PipelineModule balances the decoder layers itself
+    pipeline_tied_embeddings=False,
+    pipeline_sliding_window=False,
+    cpu_sequence_parallel=False,
+    cpu_sliding_window=True,
+    pads_vocab=False,  # transformers embeddings are not padded
+    fp32_grad_reduce=False,
+    fp32_master_from_stage=1,
+    shards_grads_from_stage=1,
+    shards_params_from_stage=3,
+    nan_skip_needs_overflow_check=True,
+    # Eager PyTorch launches each element-wise op separately and moves about 2.5x the bytes
+    # (e.g. RMSNorm as pow, mean, rsqrt, mul, mul).
+    elementwise_traffic=2.5,
+    grad_reduce=GradReduce.ZERO_STAGED,
+    checkpoint_format="DeepSpeed engine checkpoint (zero_to_fp32 consolidates it)",
+    async_save=False,
+    hf_weights=True,
+    megatron_lm_entry=False,
+)
+
+BACKENDS: dict[str, Backend] = {b.name: b for b in (MEGATRON, DEEPSPEED)}
+
+
+def backend_named(name: str) -> Backend:
+    """The description of backend `name`; an unknown name lists the known ones."""
+    try:
+        return BACKENDS[str(name)]
+    except KeyError:
+        close = difflib.get_close_matches(str(name), BACKENDS, n=1)
+        hint = f" (did you mean {close[0]!r}?)" if close else ""
+        raise ValueError(f"unknown backend {name!r}{hint}; known backends: {', '.join(BACKENDS)}") from None
+
+
+def backend_of(cfg) -> Backend:
+    """The description of the configuration's backend (`backend.name`)."""
+    return backend_named(cfg.backend.name)
+
+
+def supporting(feature) -> list[str]:
+    """Names of the backends for which `feature(backend)` holds (for fixes: "or backend=megatron")."""
+    return [b.name for b in BACKENDS.values() if feature(b)]
