@@ -23,7 +23,7 @@ def main():
     from toolkit.emit.deepspeed import deepspeed_config
     from toolkit.emit.megatron import megatron_sections
     from toolkit.plan.layout import resolve
-    from toolkit.train.deepspeed_backend import init_deepspeed, initialize_engine
+    from toolkit.train.deepspeed_engine import init_deepspeed, initialize_engine
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1], RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     deepspeed = init_deepspeed()

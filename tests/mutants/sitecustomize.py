@@ -16,9 +16,9 @@ def _multi_rank() -> bool:
 def frozen_mlp():
     """The last decoder layer's MLP is never updated in a multi-rank run of the deepspeed backend
     (as if its pipeline stage's parameters never reached the optimizer)."""
-    from toolkit.train import deepspeed_backend
+    from toolkit.train import deepspeed_engine
 
-    build_hf_model = deepspeed_backend.build_hf_model
+    build_hf_model = deepspeed_engine.build_hf_model
 
     def hf_model(*args, **kwargs):
         model = build_hf_model(*args, **kwargs)
@@ -26,7 +26,7 @@ def frozen_mlp():
             model.model.layers[-1].mlp.requires_grad_(False)
         return model
 
-    deepspeed_backend.build_hf_model = hf_model
+    deepspeed_engine.build_hf_model = hf_model
 
 
 def doubled_gradients():
@@ -58,12 +58,12 @@ def scheduler_state_dropped():
 
 def norms_decayed():
     """The deepspeed backend applies weight decay to norms and biases too (megatron-core does not)."""
-    from toolkit.train import deepspeed_backend
+    from toolkit.train import deepspeed_engine
 
     def one_group(module, weight_decay):
         return [{"params": [p for p in module.parameters() if p.requires_grad], "weight_decay": weight_decay}]
 
-    deepspeed_backend.optimizer_groups = one_group
+    deepspeed_engine.optimizer_groups = one_group
 
 
 def random_state_not_restored():

@@ -9,16 +9,15 @@ balanced across stages by DeepSpeed's "type:" partitioning.
 from __future__ import annotations
 
 from functools import partial
-from pathlib import Path
 
 import torch
 from torch import nn
 
 from toolkit.config.schema import Config
 from toolkit.plan.layout import Layout
+from toolkit.train import deepspeed_engine
 from toolkit.train.data import micro_batches, train_dataset
-from toolkit.train.distributed import end_process_group
-from toolkit.train.metrics import Metrics
+from toolkit.train.loop import Gradients
 
 
 class EmbeddingPipe(nn.Module):
@@ -82,10 +81,8 @@ class _PipeLoss:
         self.poison = False
 
     def __call__(self, logits, labels):
-        from toolkit.train.deepspeed_backend import token_loss
-
         target, loss_mask = labels
-        loss = token_loss(logits, target, loss_mask)
+        loss = deepspeed_engine.token_loss(logits, target, loss_mask)
         return loss * float("nan") if self.poison else loss
 
 
@@ -94,43 +91,42 @@ def _pipe_batches(batches):
         yield (batch["tokens"], batch["position_ids"]), (batch["labels"], batch["loss_mask"])
 
 
-def train_pipeline(cfg: Config, layout: Layout, run_dir: Path, deepspeed, ds_json: dict) -> list[float]:
-    from deepspeed.pipe import PipelineModule
+class PipelineSteps(deepspeed_engine.EngineSteps):
+    """DeepSpeed's PipelineEngine: train_batch runs the step's micro-batches (1F1B) and the update."""
 
-    from toolkit.train.deepspeed_backend import build_hf_model
+    @classmethod
+    def build(cls, cfg: Config, layout: Layout, deepspeed, ds_json: dict) -> PipelineSteps:
+        from deepspeed.pipe import PipelineModule
 
-    model = build_hf_model(cfg, ds_json, deepspeed)
-    checkpoint = partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
-    pipe_loss = _PipeLoss()
-    pipe = PipelineModule(
-        layers=pipeline_layers(model, cfg.model.family),
-        num_stages=layout.pp,
-        loss_fn=pipe_loss,
-        partition_method="type:DecoderPipe",
-        activation_checkpoint_interval=cfg.recompute.num_layers if cfg.recompute.granularity == "full" else 0,
-        activation_checkpoint_func=checkpoint,
-    )
-    del model
-    from toolkit.train.deepspeed_backend import Checkpointing, initialize_engine
+        model = deepspeed_engine.build_hf_model(cfg, ds_json, deepspeed)
+        checkpoint = partial(torch.utils.checkpoint.checkpoint, use_reentrant=False)
+        pipe_loss = _PipeLoss()
+        pipe = PipelineModule(
+            layers=pipeline_layers(model, cfg.model.family),
+            num_stages=layout.pp,
+            loss_fn=pipe_loss,
+            partition_method="type:DecoderPipe",
+            activation_checkpoint_interval=cfg.recompute.num_layers if cfg.recompute.granularity == "full" else 0,
+            activation_checkpoint_func=checkpoint,
+        )
+        del model
+        steps = cls(cfg, layout, deepspeed_engine.initialize_engine(deepspeed, pipe, cfg, layout, ds_json))
+        steps.pipe_loss = pipe_loss
+        return steps
 
-    engine = initialize_engine(deepspeed, pipe, cfg, layout, ds_json)
-    from toolkit.train.faults import inject_step_faults
+    def begin_at(self, step: int) -> None:
+        dp_rank = self.engine.grid.get_data_parallel_id()
+        dataset = train_dataset(self.cfg, self.layout)
+        self.batches = _pipe_batches(micro_batches(dataset, self.layout, dp_rank, start_step=step))
 
-    run = Checkpointing(cfg, layout, run_dir, engine)
-    dp_rank = engine.grid.get_data_parallel_id()
-    batches = _pipe_batches(micro_batches(train_dataset(cfg, layout), layout, dp_rank, start_step=run.start))
-    metrics = Metrics(cfg, layout, run_dir, enabled=torch.distributed.get_rank() == 0, resume=run.resume)
-    for step in range(run.start + 1, layout.steps + 1):
-        inject_step_faults(cfg.train.fault, step)
-        pipe_loss.poison = run.nan_injected(step)
-        loss = engine.train_batch(data_iter=batches)  # mean over micro-batches, on every stage
-        run.watchdog.beat(step)
+    def forward_backward(self, step: int, poison: bool, beat) -> Gradients:
+        engine = self.engine
+        self.pipe_loss.poison = poison
+        loss = engine.train_batch(data_iter=self.batches)  # mean over micro-batches, on every stage
+        beat(step)
         total = loss.detach().float().cpu().reshape(1)
         if engine.is_last_stage():
             torch.distributed.all_reduce(total, group=engine.grid.get_data_parallel_group())
-        total = total / layout.dp
+        total = total / self.layout.dp
         torch.distributed.broadcast(total, src=torch.distributed.get_world_size() - 1)  # the last stage's value
-        run.end_step(step, total.item(), metrics)
-    losses = metrics.close(run_dir)
-    end_process_group()
-    return losses
+        return Gradients(total.item())

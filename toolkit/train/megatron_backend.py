@@ -7,7 +7,6 @@ Runs on NVIDIA GPUs with NCCL, and on CPU with gloo through toolkit.train.mcore_
 from __future__ import annotations
 
 import json
-import math
 import random
 from functools import partial
 from pathlib import Path
@@ -22,10 +21,8 @@ from toolkit.train import checkpoint as ckpt
 from toolkit.train import mcore_cpu
 from toolkit.train.data import micro_batches, train_dataset
 from toolkit.train.distributed import end_process_group, init_process_group
-from toolkit.train.faults import Watchdog, first_attempt, inject_step_faults
+from toolkit.train.loop import Gradients, Update
 from toolkit.train.megatron_configs import build_megatron_configs
-from toolkit.train.metrics import Metrics
-from toolkit.train.save_schedule import SaveSchedule
 
 _OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}  # loadable at any dp/tp/pp
 
@@ -186,87 +183,89 @@ def load_checkpoint(root: Path, chunks, optimizer, scheduler, layout: Layout) ->
     return ckpt.Resume(state["step"], str(directory), unusable)
 
 
-def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
-    mcore_cpu.enable()
-    from megatron.core import parallel_state
-    from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
-    from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
-    from megatron.core.optimizer import get_megatron_optimizer
-    from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.transformer.module import Float16Module
+class MegatronSteps:
+    """The megatron backend's side of toolkit.train.loop: GPTModel chunks under DDP, the
+    (distributed) optimizer and its scheduler, get_forward_backward_func's schedule."""
 
-    from toolkit.train.megatron_model import build_model_chunks
+    def __init__(self, cfg: Config, layout: Layout):
+        mcore_cpu.enable()
+        from megatron.core import parallel_state
+        from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
+        from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
+        from megatron.core.optimizer import get_megatron_optimizer
+        from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+        from megatron.core.pipeline_parallel import get_forward_backward_func
+        from megatron.core.transformer.module import Float16Module
 
-    _init_distributed(layout)
-    parallel_state.initialize_model_parallel(
-        tensor_model_parallel_size=layout.tp,
-        pipeline_model_parallel_size=layout.pp,
-        virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
-        context_parallel_size=layout.cp,
-    )
-    _seed(cfg.train.seed)
-    sections = megatron_sections(cfg, layout)
-    transformer_config, optimizer_config, ddp_config = build_megatron_configs(sections)
-    chunks = build_model_chunks(sections, transformer_config)
-    if cfg.train.init_checkpoint:
-        _load_weights(chunks, cfg.train.init_checkpoint)
-    if cfg.train.save_init_checkpoint:
-        _save_weights(chunks, cfg.train.save_init_checkpoint)
-    if transformer_config.bf16 or transformer_config.fp16:
-        chunks = [Float16Module(transformer_config, chunk) for chunk in chunks]
-    model = [
-        DistributedDataParallel(transformer_config, ddp_config, chunk, disable_bucketing=i > 0)
-        for i, chunk in enumerate(chunks)
-    ]
-    transformer_config.no_sync_func = [m.no_sync for m in model] if len(model) > 1 else model[0].no_sync
-    transformer_config.finalize_model_grads_func = finalize_model_grads
-    optimizer = get_megatron_optimizer(optimizer_config, model)
-    if transformer_config.fp16:
-        transformer_config.grad_scale_func = optimizer.scale_loss
-    scheduler = OptimizerParamScheduler(optimizer, **sections["scheduler"])
+        from toolkit.train.megatron_model import build_model_chunks
 
-    checkpoints = Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
-    resume = (
-        load_checkpoint(checkpoints, chunks, optimizer, scheduler, layout) if cfg.checkpoint.resume else ckpt.Resume()
-    )
-    start = resume.step
+        self.cfg, self.layout = cfg, layout
+        _init_distributed(layout)
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size=layout.tp,
+            pipeline_model_parallel_size=layout.pp,
+            virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
+            context_parallel_size=layout.cp,
+        )
+        _seed(cfg.train.seed)
+        sections = megatron_sections(cfg, layout)
+        config, optimizer_config, ddp_config = build_megatron_configs(sections)
+        chunks = build_model_chunks(sections, config)
+        if cfg.train.init_checkpoint:
+            _load_weights(chunks, cfg.train.init_checkpoint)
+        if cfg.train.save_init_checkpoint:
+            _save_weights(chunks, cfg.train.save_init_checkpoint)
+        if config.bf16 or config.fp16:
+            chunks = [Float16Module(config, chunk) for chunk in chunks]
+        self.chunks = chunks
+        self.model = [
+            DistributedDataParallel(config, ddp_config, chunk, disable_bucketing=i > 0)
+            for i, chunk in enumerate(chunks)
+        ]
+        config.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
+        config.finalize_model_grads_func = finalize_model_grads
+        self.optimizer = get_megatron_optimizer(optimizer_config, self.model)
+        if config.fp16:
+            config.grad_scale_func = self.optimizer.scale_loss
+        self.scheduler = OptimizerParamScheduler(self.optimizer, **sections["scheduler"])
+        self.config = config
+        self.async_queue = AsyncCallsQueue() if cfg.checkpoint.async_save else None
+        self.forward_backward_func = get_forward_backward_func()
+        self.device = (
+            torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+        )
+        self.dp_rank = parallel_state.get_data_parallel_rank()
+        self.needs_data = parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage()
+        self.reports_loss = (
+            parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
+        )
+        self.iterators = None
 
-    dataset = train_dataset(cfg, layout)
-    dp_rank = parallel_state.get_data_parallel_rank()
-    needs_data = parallel_state.is_pipeline_first_stage() or parallel_state.is_pipeline_last_stage()
-    # The sampler is indexed by step: a resumed run reads exactly the samples it would have read.
-    iterators = [micro_batches(dataset, layout, dp_rank, start_step=start) if needs_data else None for _ in model]
-    last_stage_reporter = (
-        parallel_state.is_pipeline_last_stage() and parallel_state.get_tensor_model_parallel_rank() == 0
-    )
-    metrics = Metrics(cfg, layout, run_dir, enabled=torch.distributed.get_rank() == 0, resume=resume)
-    watchdog = Watchdog(cfg.train.fault.watchdog_timeout_s)
-    fault = cfg.train.fault
-    schedule = SaveSchedule(cfg, layout)
-    async_queue = AsyncCallsQueue() if cfg.checkpoint.async_save else None
-    forward_backward = get_forward_backward_func()
-    device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
+    def load(self, root: Path) -> ckpt.Resume:
+        return load_checkpoint(root, self.chunks, self.optimizer, self.scheduler, self.layout)
 
-    def finish_async_saves():
-        """Wait for the save in flight (it holds finite weights) and publish it."""
-        if async_queue is not None:
-            with watchdog.suspended():
-                async_queue.close()
+    def begin_at(self, step: int) -> None:
+        # The sampler is indexed by step: a resumed run reads exactly the samples it would have read.
+        dataset = train_dataset(self.cfg, self.layout)
+        self.iterators = [
+            micro_batches(dataset, self.layout, self.dp_rank, start_step=step) if self.needs_data else None
+            for _ in self.model
+        ]
 
-    def forward_step(data_iterator, model_chunk):
-        watchdog.beat(step)
-        return _forward_step(data_iterator, model_chunk, poison)
+    def forward_backward(self, step: int, poison: bool, beat) -> Gradients:
+        layout, model = self.layout, self.model
+        poison = poison and self.dp_rank == 0
 
-    for step in range(start + 1, layout.steps + 1):
-        inject_step_faults(fault, step)
-        poison = fault.nan_at_step == step and first_attempt() and dp_rank == 0
+        def forward_step(data_iterator, model_chunk):
+            beat(step)
+            return _forward_step(data_iterator, model_chunk, poison)
+
         for chunk in model:
             chunk.zero_grad_buffer()
-        optimizer.zero_grad()
-        outputs = forward_backward(
+        self.optimizer.zero_grad()
+        outputs = self.forward_backward_func(
             forward_step_func=forward_step,
-            data_iterator=iterators if len(model) > 1 else iterators[0],
+            data_iterator=self.iterators if len(model) > 1 else self.iterators[0],
             model=model if len(model) > 1 else model[0],
             num_microbatches=layout.grad_accum,
             seq_length=layout.seq_length,
@@ -276,52 +275,53 @@ def train(cfg: Config, layout: Layout, run_dir: Path) -> list[float]:
         # Mean loss over micro-batches and data-parallel replicas, and the number of ranks with
         # non-finite gradients, in one collective. With fp16 the loss scaler owns the gradient
         # check (an overflow is routine there: the optimizer skips the step itself).
-        local = torch.zeros((), device=device)
-        if last_stage_reporter and outputs:
+        local = torch.zeros((), device=self.device)
+        if self.reports_loss and outputs:
             local = torch.stack([o["lm loss"] for o in outputs]).mean()
-        grads_bad = 0.0 if transformer_config.fp16 or _local_grads_finite(model) else 1.0
+        grads_bad = 0.0 if self.config.fp16 or _local_grads_finite(model) else 1.0
         total = torch.stack([local.float(), torch.tensor(grads_bad, device=local.device)])  # NCCL: on the GPU
         torch.distributed.all_reduce(total)
-        loss = total[0].item() / (layout.dp * layout.cp)
-        bad_loss, bad_grads = not math.isfinite(loss), total[1].item() > 0
-        if bad_loss or bad_grads:
-            what = "non-finite " + " and ".join([f"loss {loss}"] * bad_loss + ["gradients"] * bad_grads)
-            if fault.nan_action == "stop":
-                finish_async_saves()
-                metrics.close(run_dir, complete=False)
-                raise FloatingPointError(
-                    f"{what} at step {step}; stopping with the last good checkpoint "
-                    f"in {checkpoints} kept (train.fault.nan_action=skip skips such steps)"
-                )
-            if torch.distributed.get_rank() == 0:
-                print(f"{what} at step {step}: update skipped (train.fault.nan_action=skip)", flush=True)
-            metrics.step(step, loss, optimizer.param_groups[0]["lr"], None, True)  # no update, the schedule waits
-            continue
-        updated, grad_norm, _ = optimizer.step()
+        return Gradients(total[0].item() / (layout.dp * layout.cp), None if self.config.fp16 else total[1].item() == 0)
+
+    def update(self) -> Update:
+        updated, grad_norm, _ = self.optimizer.step()
         if updated:
-            scheduler.step(increment=1)
-        metrics.step(
-            step, loss, optimizer.param_groups[0]["lr"], None if grad_norm is None else float(grad_norm), not updated
+            self.scheduler.step(increment=1)
+        return Update(bool(updated), None if grad_norm is None else float(grad_norm))
+
+    def update_applied_anyway(self) -> bool:
+        return False  # the update runs only after the gradient check
+
+    def lr(self) -> float:
+        return self.optimizer.param_groups[0]["lr"]
+
+    def save(self, root: Path, step: int) -> float:
+        c = self.cfg.checkpoint
+        return save_checkpoint(
+            root,
+            step,
+            self.chunks,
+            self.optimizer,
+            self.scheduler,
+            self.layout,
+            c.keep_last,
+            self.cfg.train.fault,
+            self.async_queue,
         )
-        save_now = schedule.due(step)
-        with watchdog.suspended():
-            if async_queue is not None:
-                async_queue.maybe_finalize_async_calls(blocking=save_now)  # one save in flight at a time
-            if save_now:
-                blocked = save_checkpoint(
-                    checkpoints,
-                    step,
-                    chunks,
-                    optimizer,
-                    scheduler,
-                    layout,
-                    cfg.checkpoint.keep_last,
-                    fault,
-                    async_queue,
-                )
-                schedule.saved(step, blocked, metrics.history[-1]["step_time_s"])
-    finish_async_saves()
-    losses = metrics.close(run_dir)
-    parallel_state.destroy_model_parallel()
-    end_process_group()
-    return losses
+
+    def settle_saves(self, blocking: bool) -> None:
+        if self.async_queue is not None:
+            self.async_queue.maybe_finalize_async_calls(blocking=blocking)
+
+    def close(self) -> None:
+        from megatron.core import parallel_state
+
+        if self.async_queue is not None:
+            self.async_queue.close()
+        parallel_state.destroy_model_parallel()
+        end_process_group()
+
+
+def setup(cfg: Config, layout: Layout) -> MegatronSteps:
+    """The megatron backend, built for the layout (toolkit.train.loop drives it)."""
+    return MegatronSteps(cfg, layout)

@@ -16,6 +16,7 @@ from omegaconf import OmegaConf
 from toolkit.config.schema import Config
 from toolkit.plan.backends import backend_of
 from toolkit.plan.validate import check
+from toolkit.train import loop
 
 # Upstream notices that say nothing about this run (missing optional kernels on CPU, API
 # deprecations inside megatron-core and torch); anything else still prints.
@@ -58,8 +59,9 @@ def load_run_config(run_dir: Path, name: str = "config") -> Config:
 
 def run(cfg: Config, run_dir: Path) -> list[float]:
     layout, _ = check(cfg)
-    trainer = importlib.import_module(backend_of(cfg).trainer)
-    return trainer.train(cfg, layout, run_dir)
+    backend = backend_of(cfg)
+    steps = importlib.import_module(backend.trainer).setup(cfg, layout)
+    return loop.train(cfg, layout, run_dir, steps, backend.name)
 
 
 def run_to_exit_code(cfg: Config, run_dir: Path) -> int:

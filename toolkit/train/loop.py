@@ -1,0 +1,150 @@
+"""The training loop, once for every backend: resume, steps, the NaN policy, the save schedule,
+the watchdog, fault injection and metrics. A backend supplies its side as `BackendSteps`
+(toolkit.plan.backends names the module; its `setup(cfg, layout)` returns one).
+
+A step is forward+backward over the step's micro-batches, then (when the gradients are finite,
+or the backend's own overflow check dropped the update) the optimizer update.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Protocol
+
+import torch
+
+from toolkit.config.schema import Config
+from toolkit.plan.layout import Layout
+from toolkit.train.checkpoint import Resume
+from toolkit.train.faults import Watchdog, first_attempt, inject_step_faults
+from toolkit.train.metrics import Metrics
+from toolkit.train.save_schedule import SaveSchedule
+
+
+@dataclass
+class Gradients:
+    """What forward+backward of one step left: the mean loss over micro-batches and data-parallel
+    replicas (the same on every rank), and whether the reduced gradients are finite (None: the
+    backend's optimizer checks them itself)."""
+
+    loss: float
+    grads_finite: bool | None = None
+
+
+@dataclass
+class Update:
+    applied: bool  # False: the optimizer skipped it (an fp16 loss-scale overflow)
+    grad_norm: float | None
+
+
+class BackendSteps(Protocol):
+    """One backend's side of the loop."""
+
+    def load(self, root: Path) -> Resume:
+        """Restore the newest good checkpoint under `root` (collectively); Resume() when none."""
+
+    def begin_at(self, step: int) -> None:
+        """Position the data at the first sample after `step` steps."""
+
+    def forward_backward(self, step: int, poison: bool, beat: Callable[[int], None]) -> Gradients:
+        """Forward and backward over the step's micro-batches; `poison` makes the loss NaN before
+        the backward pass (train.fault.nan_at_step); `beat(step)` after each micro-batch."""
+
+    def update(self) -> Update:
+        """The optimizer step (and the learning-rate schedule's)."""
+
+    def update_applied_anyway(self) -> bool:
+        """After non-finite gradients and no update() call: whether an update happened anyway
+        (DeepSpeed steps inside forward_backward and drops it only with an overflow check)."""
+
+    def lr(self) -> float:
+        """The learning rate now."""
+
+    def save(self, root: Path, step: int) -> float:
+        """A verified checkpoint of `step`; the seconds training was held up."""
+
+    def settle_saves(self, blocking: bool) -> None:
+        """Publish background saves that finished (all of them when `blocking`)."""
+
+    def close(self) -> None:
+        """Release the engine and the process groups."""
+
+
+def checkpoint_root(cfg: Config, run_dir: Path) -> Path:
+    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+
+
+def _rank() -> int:
+    return torch.distributed.get_rank()
+
+
+class NanPolicy:
+    """train.fault.nan_action on a non-finite loss or gradients: stop with the last good checkpoint
+    kept, or skip the update (the learning-rate schedule waits)."""
+
+    def __init__(self, cfg: Config, root: Path, backend_name: str):
+        self.action, self.root, self.backend_name = cfg.train.fault.nan_action, root, backend_name
+
+    @staticmethod
+    def problem(grads: Gradients) -> str | None:
+        bad_loss, bad_grads = not math.isfinite(grads.loss), grads.grads_finite is False
+        if not (bad_loss or bad_grads):
+            return None
+        return "non-finite " + " and ".join([f"loss {grads.loss}"] * bad_loss + ["gradients"] * bad_grads)
+
+    def stop(self, what: str, step: int, why: str) -> FloatingPointError:
+        return FloatingPointError(
+            f"{what} at step {step}; stopping with the last good checkpoint in {self.root} kept ({why})"
+        )
+
+    def check(self, what: str, step: int, steps: BackendSteps) -> None:
+        """Raise to stop; return when the step is skipped."""
+        if self.action == "stop":
+            raise self.stop(what, step, "train.fault.nan_action=skip skips such steps")
+        if steps.update_applied_anyway():
+            raise self.stop(
+                what, step, f"{self.backend_name} applied the update (no overflow check in this configuration)"
+            )
+        if _rank() == 0:
+            print(f"{what} at step {step}: update skipped (train.fault.nan_action=skip)", flush=True)
+
+
+def train(cfg: Config, layout: Layout, run_dir: Path, steps: BackendSteps, backend_name: str) -> list[float]:
+    """Train `steps` from the newest good checkpoint (or step 0) to layout.steps; the loss curve."""
+    root = checkpoint_root(cfg, run_dir)
+    fault = cfg.train.fault
+    resume = steps.load(root) if cfg.checkpoint.resume else Resume()
+    steps.begin_at(resume.step)
+    metrics = Metrics(cfg, layout, run_dir, enabled=_rank() == 0, resume=resume)
+    watchdog = Watchdog(fault.watchdog_timeout_s)
+    schedule = SaveSchedule(cfg, layout)
+    nan_policy = NanPolicy(cfg, root, backend_name)
+    try:
+        for step in range(resume.step + 1, layout.steps + 1):
+            inject_step_faults(fault, step)
+            poison = fault.nan_at_step == step and first_attempt()
+            grads = steps.forward_backward(step, poison, watchdog.beat)
+            problem = nan_policy.problem(grads)
+            if problem:
+                nan_policy.check(problem, step, steps)
+                metrics.step(step, grads.loss, steps.lr(), None, True)
+                continue
+            update = steps.update()
+            metrics.step(step, grads.loss, steps.lr(), update.grad_norm, not update.applied)
+            save_now = schedule.due(step)
+            with watchdog.suspended():
+                steps.settle_saves(blocking=save_now)  # one save in flight at a time
+                if save_now:
+                    schedule.saved(step, steps.save(root, step), metrics.history[-1]["step_time_s"])
+    except FloatingPointError:
+        with watchdog.suspended():
+            steps.settle_saves(blocking=True)  # the save in flight holds finite weights: publish it
+        metrics.close(run_dir, complete=False)
+        raise
+    with watchdog.suspended():
+        steps.settle_saves(blocking=True)
+    losses = metrics.close(run_dir)
+    steps.close()
+    return losses
