@@ -66,6 +66,9 @@ def _precision_section(cfg: Config) -> dict:
 
 
 def deepspeed_config(cfg: Config, layout: Layout) -> dict:
+    """The DeepSpeed JSON (as a dict) for a validated configuration and its resolved layout: batch
+    split, ZeRO stage and offload, precision and loss scaling, optimizer, gradient clipping,
+    activation checkpointing; the learning-rate schedule is the trainer's (toolkit.plan.lr_schedule)."""
     o = cfg.optim
     ds: dict = {
         "train_batch_size": layout.global_batch,

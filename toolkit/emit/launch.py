@@ -31,6 +31,8 @@ def _entry(cfg: Config) -> str:
 
 
 def launch_script(cfg: Config, layout: Layout) -> str:
+    """launch.sh for the run directory: torchrun on one node, or an sbatch script whose srun starts
+    one torchrun per node (c10d rendezvous) for several; each rank runs `python -m toolkit.train`."""
     c = cfg.cluster
     header = [
         "#!/usr/bin/env bash",

@@ -11,7 +11,9 @@ from toolkit.plan.layout import Layout
 
 
 def megatron_args(cfg: Config, layout: Layout, sections: dict) -> list[str]:
-    """One flag (with its value) per entry, in pretrain_gpt.py's order of concerns."""
+    """Megatron-LM's pretrain_gpt.py command-line flags for the same run (megatron_args.txt), built
+    from the sections megatron.yaml holds, so both files say the same; one flag (with its value) per
+    entry, in pretrain_gpt.py's order of concerns."""
     mp, tr, opt, ddp, sch, gpt = (
         sections[k] for k in ("model_parallel", "transformer", "optimizer", "ddp", "scheduler", "gpt_model")
     )

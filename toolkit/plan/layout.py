@@ -128,7 +128,8 @@ def bubble_fraction(pp: int, vpp: int, num_microbatches: int) -> float:
 
 
 def resolve(cfg: Config) -> Layout:
-    """The derived numbers of a configuration the validator accepted."""
+    """The derived numbers of a configuration the validator accepted: world size, dp, micro-batches
+    per step, padded vocabulary, layers per pipeline stage, steps, scaled learning rate and warmup."""
     p, t, o = cfg.parallel, cfg.train, cfg.optim
     dp = derived_dp(cfg)
     grad_accum = t.global_batch // (t.micro_batch * dp)

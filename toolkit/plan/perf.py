@@ -122,6 +122,8 @@ def _spans_nodes(cfg: Config, group_size: int, stride: int) -> bool:
 
 
 def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
+    """Predicted time of one optimizer step of `layout` (compute, tensor/pipeline/data-parallel
+    communication, the pipeline bubble, the optimizer), and the throughput and MFU that follow."""
     m, c, p = cfg.model, cfg.cluster, cfg.parallel
     backend = backend_of(cfg)
     tp, pp, vpp, cp, dp = layout.tp, layout.pp, layout.vpp, layout.cp, layout.dp

@@ -229,7 +229,8 @@ def search(cfg: Config) -> SearchResult:
 
 
 def decision_path(cfg: Config, result: SearchResult) -> list[str]:
-    """The seed's path (SEED-DIGEST section 6) for this model, and where the top layout departs."""
+    """The practitioner's path for this model (fits on one GPU -> data parallel; in one node -> tensor
+    parallel inside it; else pipeline stages across nodes), and where the top layout departs from it."""
     gpn, world = cfg.cluster.gpus_per_node, world_size(cfg)
     fitting = result.ranked
     dp_only = [c for c in fitting if c.layout.tp == c.layout.pp == c.layout.cp == 1]

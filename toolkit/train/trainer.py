@@ -58,6 +58,9 @@ def load_run_config(run_dir: Path, name: str = "config") -> Config:
 
 
 def run(cfg: Config, run_dir: Path) -> list[float]:
+    """Train `cfg` as this rank of the job (validated first: a ValidationError lists every error),
+    writing checkpoints, metrics.jsonl, TensorBoard events and result.json under `run_dir`;
+    returns the loss curve. The backend description names the module whose steps the loop drives."""
     layout, _ = check(cfg)
     backend = backend_of(cfg)
     steps = importlib.import_module(backend.trainer).setup(cfg, layout)
