@@ -1,10 +1,14 @@
 """Composition through Hydra's typed schema, the published architectures, and the layout math."""
 
+import dataclasses
+import enum
 import math
+import typing
 
 import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
+from toolkit.config.schema import Config
 from toolkit.config.store import conf_dir, quote_numeric_choices
 from toolkit.plan.layout import bubble_fraction, lr_scale_factor, padded_vocab_size, rescaled_warmup, resolve
 
@@ -36,6 +40,99 @@ def test_cluster_presets_cover_cpu_single_h200_node_and_clusters():
 def test_wrong_type_or_unknown_key_fails_at_composition(compose, override, error):
     with pytest.raises(error):
         compose(override)
+
+
+def _enum_fields(section=Config, prefix=""):
+    """(path, enum type, is a list) of every closed-choice field of the schema, nested sections included."""
+    for f in dataclasses.fields(section):
+        kind = typing.get_type_hints(section)[f.name]
+        inner = typing.get_args(kind)[0] if typing.get_origin(kind) is list else kind
+        if dataclasses.is_dataclass(kind):
+            yield from _enum_fields(kind, f"{prefix}{f.name}.")
+        elif isinstance(inner, type) and issubclass(inner, enum.Enum):
+            yield f"{prefix}{f.name}", inner, inner is not kind
+
+
+ENUM_FIELDS = list(_enum_fields())
+
+
+def test_closed_choices_are_enums():
+    assert {
+        "model.family",
+        "model.normalization",
+        "model.activation",
+        "model.position_embedding",
+        "zero.offload_optimizer",
+        "zero.offload_param",
+        "precision.dtype",
+        "precision.loss_scaling",
+        "precision.fp8_format",
+        "recompute.granularity",
+        "recompute.method",
+        "recompute.modules",
+        "optim.name",
+        "optim.decay_style",
+        "optim.lr_scaling",
+        "train.attention_backend",
+        "train.fault.nan_action",
+        "cluster.device",
+        "cluster.default_dtype",
+        "backend.name",
+        "data.name",
+        "data.tokenizer",
+    } <= {path for path, _, _ in ENUM_FIELDS}
+
+
+@pytest.mark.parametrize("path,choices,is_list", ENUM_FIELDS, ids=[path for path, _, _ in ENUM_FIELDS])
+def test_enum_field_refuses_other_values_at_composition(compose, path, choices, is_list):
+    with pytest.raises(ConfigCompositionException) as raised:
+        compose(f"{path}=[bogus]" if is_list else f"{path}=bogus")
+    text = f"{raised.value} {raised.value.__cause__}"
+    assert path in text and "bogus" in text
+    assert all(choice.value in text for choice in choices), text
+    for choice in choices:  # every allowed value composes, equal to its string
+        value = compose(f"{path}=[{choice.value}]" if is_list else f"{path}={choice.value}")
+        for part in path.split("."):
+            value = getattr(value, part)
+        assert value == ([choice.value] if is_list else choice.value) and f"{choice}" == choice.value
+
+
+@pytest.mark.parametrize(
+    "overrides,dtype",
+    [
+        (["cluster=h100_cluster"], "bf16"),
+        (["cluster=8xh100"], "bf16"),
+        (["cluster=1xh200"], "bf16"),
+        (["cluster=a100_cluster"], "bf16"),
+        ([], "fp32"),  # the default cluster: this machine's CPU
+        (["cluster=cpu"], "fp32"),
+        (["cluster=v100_cluster"], "fp32"),  # Volta has no bf16
+        (["cluster=h100_cluster", "precision=fp16"], "fp16"),  # a precision given wins
+        (["cluster=h100_cluster", "precision.dtype=fp32"], "fp32"),
+        (["cluster=cpu", "precision=bf16"], "bf16"),
+        (["recipe=tiny_cpu_demo", "cluster=h100_cluster"], "fp32"),  # so does a recipe's
+        (["recipe=llama3_8b_8xh100", "cluster=cpu"], "bf16"),
+    ],
+)
+def test_precision_follows_the_cluster_unless_given(compose, overrides, dtype):
+    assert compose(*overrides).precision.dtype == dtype
+
+
+def test_written_config_holds_the_concrete_precision(compose, tmp_path):
+    from toolkit.emit.files import resolved_config, write_run_files
+    from toolkit.plan.layout import resolve
+    from toolkit.train.trainer import load_run_config
+
+    cfg = compose("cluster=8xh100", "recompute=selective")
+    write_run_files(cfg, resolve(cfg), tmp_path)
+    text = (tmp_path / "config.yaml").read_text()
+    assert "  dtype: bf16\n" in text and "${" not in text
+    assert load_run_config(tmp_path) == resolved_config(cfg, resolve(cfg))  # the enums read back
+
+
+def test_default_data_is_the_corpus_synthetic_on_request(compose):
+    assert compose().data.name == "corpus" and compose().data.tokenizer == "gpt2"
+    assert compose("data=synthetic").data.name == "synthetic"
 
 
 def test_numeric_group_choices_are_quoted():

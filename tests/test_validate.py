@@ -1,6 +1,8 @@
 """Each validator rule: a case it rejects (naming the field and a fix) and a neighbouring case it
 accepts. The base configuration is conf/config.yaml's default (tiny model, 4 CPU ranks)."""
 
+import dataclasses
+
 import pytest
 
 from toolkit.plan.validate import ValidationError, check, validate
@@ -189,7 +191,13 @@ ERROR_CASES = [
     ("kv_heads", ["model.num_kv_heads=3"], ["model.num_kv_heads=2"], "model.num_kv_heads"),
     ("range", ["parallel.tp=0"], ["parallel.tp=1"], "parallel.tp"),
     ("range", ["optim.lr=-1"], ["optim.lr=1e-3"], "optim.lr"),
-    ("choice", ["precision.dtype=fp12"], ["precision.dtype=fp32"], "precision.dtype"),
+    ("finite", ["optim.lr=nan"], ["optim.lr=1e-3"], "optim.lr"),
+    ("finite", ["optim.lr=inf"], ["optim.lr=1e-3"], "optim.lr"),
+    ("finite", ["cluster.gpu_memory_gb=-inf"], ["cluster.gpu_memory_gb=8"], "cluster.gpu_memory_gb"),
+    ("finite", ["train.fault.watchdog_timeout_s=inf"], ["train.fault.watchdog_timeout_s=600"], "watchdog_timeout_s"),
+    ("vocab_tokenizer", ["model.vocab_size=32000"], ["model.vocab_size=32000", "data=synthetic"], "model.vocab_size"),
+    ("vocab_tokenizer", ["model.vocab_size=50000"], ["model.vocab_size=50257"], "data.name"),
+    ("vocab_tokenizer", ["model=mistral_7b", H100], ["model=mistral_7b", H100, "data=synthetic"], "data.name"),
     ("choice", ["zero.stage=4"], ["zero.stage=3", DS], "zero.stage"),
     ("train_length", ["train.steps=null"], ["train.steps=null", "train.tokens=100000"], "train.tokens"),
 ]
@@ -304,3 +312,46 @@ def test_every_recipe_is_valid(compose):
         cfg = compose(f"recipe={name}")
         assert cfg.description, name
         assert validate(cfg).ok, (name, validate(cfg))
+
+
+def _float_paths(section, prefix=""):
+    """The path of every float field of a configuration, nested sections included."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _float_paths(value, f"{prefix}{f.name}.")
+        elif isinstance(value, float):
+            yield f"{prefix}{f.name}"
+
+
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_every_non_finite_float_is_refused_by_name(compose, value):
+    paths = sorted(_float_paths(compose("train.fault.watchdog_timeout_s=60", "checkpoint.interval_minutes=5")))
+    assert len(paths) > 25 and "optim.lr" in paths and "cluster.peak_tflops_bf16" in paths
+    report = validate(compose(*(f"{path}={value}" for path in paths)))  # the other rules must not trip on them
+    named = {field for v in report.errors if v.rule == "finite" for field in v.fields}
+    assert named == set(paths), set(paths) ^ named
+    assert all("Fix: set " in str(v) for v in report.errors if v.rule == "finite")
+
+
+def test_non_finite_reported_with_the_other_errors(compose):
+    rules = {v.rule for v in validate(compose("optim.lr=nan", "parallel.tp=3", "precision=fp16")).errors}
+    assert {"finite", "world_size", "fp16_cpu"} <= rules
+
+
+def test_plan_refuses_a_non_finite_number(compose, capsys):
+    from toolkit.plan.report import plan_command
+
+    assert plan_command(compose("optim.lr=nan")) == 2
+    assert "optim.lr=nan" in capsys.readouterr().out
+
+
+def test_layout_search_ignores_the_data_rules(compose):
+    """The planner's layouts do not depend on the data: a model smaller than the corpus's
+    tokenizer still gets its layouts (parakit plan model=mistral_7b)."""
+    from toolkit.plan.search import search
+
+    cfg = compose("model=mistral_7b", H100, "train=pretrain", "train.global_batch=256")
+    assert cfg.data.name == "corpus" and not validate(cfg).ok
+    assert validate(cfg, data=False).ok
+    assert search(cfg).ranked

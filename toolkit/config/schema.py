@@ -6,12 +6,161 @@ type (`parallel.tp=abc`) or an unknown key fails at composition.
 
 Names follow what users of Megatron-LM and DeepSpeed type: `parallel.tp`, `parallel.pp`,
 `parallel.vpp`, `zero=0..3`, `precision=bf16`, `recompute=full`, `train.global_batch`.
+
+Every closed set of values is a `StrEnum`: OmegaConf refuses any other value at composition and
+names the allowed ones, while a member equals, hashes and formats as its string
+(`cfg.precision.dtype == "bf16"`, `f"{cfg.precision.dtype}"`). OmegaConf looks a value up by
+member *name*, so every member is named as its value. yaml.safe_dump refuses str subclasses:
+`plain()` turns a configuration into the built-in types it writes.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
-from typing import Optional
+from enum import Enum, StrEnum
+from typing import Any, Optional
+
+
+# ---------------------------------------------------------------- closed sets of values
+class Family(StrEnum):
+    """The Hugging Face architecture a model maps to."""
+
+    llama = "llama"
+    qwen2 = "qwen2"
+    mistral = "mistral"
+    gpt2 = "gpt2"
+
+
+class Normalization(StrEnum):
+    RMSNorm = "RMSNorm"
+    LayerNorm = "LayerNorm"
+
+
+class Activation(StrEnum):
+    swiglu = "swiglu"
+    gelu = "gelu"
+
+
+class PositionEmbedding(StrEnum):
+    rope = "rope"
+    learned_absolute = "learned_absolute"
+
+
+class Offload(StrEnum):
+    """Where ZeRO offloads optimizer states or parameters."""
+
+    none = "none"
+    cpu = "cpu"
+    nvme = "nvme"
+
+
+class Dtype(StrEnum):
+    fp32 = "fp32"
+    bf16 = "bf16"
+    fp16 = "fp16"
+    fp8 = "fp8"
+
+
+class LossScaling(StrEnum):
+    dynamic = "dynamic"
+    static = "static"
+    none = "none"
+
+
+class Fp8Format(StrEnum):
+    """Transformer Engine's FP8 recipes."""
+
+    hybrid = "hybrid"
+    e4m3 = "e4m3"
+
+
+class RecomputeGranularity(StrEnum):
+    none = "none"
+    selective = "selective"
+    full = "full"
+
+
+class RecomputeMethod(StrEnum):
+    """Megatron's --recompute-method (full recompute)."""
+
+    uniform = "uniform"
+    block = "block"
+
+
+class RecomputeModule(StrEnum):
+    """What selective recompute recomputes: megatron-core's recompute_modules that a dense GPT
+    model has (the others need MoE, multi-latent or gated delta-net attention)."""
+
+    core_attn = "core_attn"
+    layernorm = "layernorm"
+    mlp = "mlp"
+
+
+class OptimizerName(StrEnum):
+    adamw = "adamw"
+
+
+class DecayStyle(StrEnum):
+    cosine = "cosine"
+    linear = "linear"
+    constant = "constant"
+
+
+class LrScaling(StrEnum):
+    """How the learning rate follows a global batch other than the one it was tuned at."""
+
+    none = "none"
+    linear = "linear"
+    sqrt = "sqrt"
+
+
+class AttentionBackend(StrEnum):
+    flash = "flash"
+    unfused = "unfused"
+
+
+class NanAction(StrEnum):
+    skip = "skip"
+    stop = "stop"
+
+
+class Device(StrEnum):
+    cuda = "cuda"
+    cpu = "cpu"
+
+
+class BackendName(StrEnum):
+    """The training backends (toolkit.plan.backends describes each)."""
+
+    megatron = "megatron"
+    deepspeed = "deepspeed"
+
+
+class DataName(StrEnum):
+    synthetic = "synthetic"  # random tokens: throughput runs (the loss stays at ln(vocab))
+    corpus = "corpus"  # a real corpus in a Megatron indexed dataset
+
+
+class Tokenizer(StrEnum):
+    gpt2 = "gpt2"
+
+
+TOKENIZER_VOCAB = {Tokenizer.gpt2: 50257}  # tokens of each tokenizer (GPT-2 byte-level BPE)
+
+
+def plain(value: Any) -> Any:
+    """`value` (a configuration, a dataclass, or dicts and lists of them) in built-in types only:
+    dataclasses as dicts, enum members as their values. What yaml.safe_dump writes."""
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        return {f.name: plain(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, dict):
+        return {plain(k): plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [plain(v) for v in value]
+    if isinstance(value, Enum):
+        return value.value
+    return value
 
 
 @dataclass
@@ -19,7 +168,7 @@ class ModelConfig:
     """A decoder-only transformer, described once for every consumer (planner, Megatron, HF)."""
 
     name: str = "tiny"
-    family: str = "llama"  # llama | qwen2 | mistral | gpt2: the Hugging Face architecture it maps to
+    family: Family = Family.llama  # the Hugging Face architecture it maps to
     sliding_window: Optional[int] = None  # mistral: attend to the last N tokens only
     num_layers: int = 8
     hidden_size: int = 64
@@ -32,10 +181,10 @@ class ModelConfig:
     make_vocab_size_divisible_by: int = 128
     seq_length: int = 128  # training sequence length
     max_position_embeddings: int = 128  # the longest sequence the model supports
-    normalization: str = "RMSNorm"  # RMSNorm | LayerNorm
+    normalization: Normalization = Normalization.RMSNorm
     norm_epsilon: float = 1e-5
-    activation: str = "swiglu"  # swiglu | gelu
-    position_embedding: str = "rope"  # rope | learned_absolute
+    activation: Activation = Activation.swiglu
+    position_embedding: PositionEmbedding = PositionEmbedding.rope
     rotary_base: float = 10000.0
     tie_embeddings: bool = False
     add_bias_linear: bool = False
@@ -67,8 +216,8 @@ class ZeroConfig:
     """ZeRO stage. On the megatron backend stage 1 is Megatron's distributed optimizer."""
 
     stage: int = 1
-    offload_optimizer: str = "none"  # none | cpu | nvme
-    offload_param: str = "none"  # none | cpu | nvme (stage 3 only)
+    offload_optimizer: Offload = Offload.none
+    offload_param: Offload = Offload.none  # stage 3 only
     nvme_path: Optional[str] = None
     overlap_comm: bool = True
     reduce_bucket_size: int = 500_000_000
@@ -80,29 +229,29 @@ class ZeroConfig:
 
 @dataclass
 class PrecisionConfig:
-    dtype: str = "bf16"  # fp32 | bf16 | fp16 | fp8
+    dtype: Dtype = Dtype.bf16  # conf/precision/auto.yaml (the default) takes cluster.default_dtype
     # fp16 needs loss scaling: dynamic (recommended), static (loss_scale), or none.
-    loss_scaling: str = "dynamic"
+    loss_scaling: LossScaling = LossScaling.dynamic
     loss_scale: float = 1.0  # static scale, used when loss_scaling=static
     initial_scale_power: int = 16  # dynamic: start at 2**power
     loss_scale_window: int = 1000
     hysteresis: int = 2
     min_loss_scale: float = 1.0
-    fp8_format: str = "hybrid"  # hybrid | e4m3 (Transformer Engine recipes)
+    fp8_format: Fp8Format = Fp8Format.hybrid
     grad_reduce_in_fp32: bool = True
 
 
 @dataclass
 class RecomputeConfig:
-    granularity: str = "none"  # none | selective | full
-    method: str = "uniform"  # full only: uniform | block (Megatron --recompute-method)
+    granularity: RecomputeGranularity = RecomputeGranularity.none
+    method: RecomputeMethod = RecomputeMethod.uniform  # full only (Megatron --recompute-method)
     num_layers: int = 1  # full only: layers per recompute chunk (uniform) or per stage (block)
-    modules: list[str] = field(default_factory=lambda: ["core_attn"])  # selective only
+    modules: list[RecomputeModule] = field(default_factory=lambda: [RecomputeModule.core_attn])  # selective only
 
 
 @dataclass
 class OptimConfig:
-    name: str = "adamw"
+    name: OptimizerName = OptimizerName.adamw
     lr: float = 3e-4
     min_lr: float = 3e-5
     beta1: float = 0.9
@@ -111,10 +260,10 @@ class OptimConfig:
     weight_decay: float = 0.1
     clip_grad: float = 1.0
     warmup_steps: int = 100
-    decay_style: str = "cosine"  # cosine | linear | constant
+    decay_style: DecayStyle = DecayStyle.cosine
     decay_steps: Optional[int] = None  # None: decay over all training steps
     # Rescaling rule when the global batch differs from the batch lr/warmup were tuned at.
-    lr_scaling: str = "none"  # none | linear | sqrt
+    lr_scaling: LrScaling = LrScaling.none
     reference_global_batch: Optional[int] = None
 
 
@@ -127,7 +276,8 @@ class FaultConfig:
         0  # torchrun restarts the ranks this often; each restart resumes from the newest good checkpoint
     )
     watchdog_timeout_s: Optional[float] = None  # end the job when a rank makes no progress this long
-    nan_action: str = "stop"  # on a non-finite loss: skip (the update) | stop (keep the last good checkpoint)
+    # On a non-finite loss: skip (the update) | stop (keep the last good checkpoint).
+    nan_action: NanAction = NanAction.stop
     kill_rank: Optional[int] = None  # this rank dies ...
     kill_at_step: Optional[int] = None  # ... at the start of this step
     stall_rank: Optional[int] = None  # this rank hangs ...
@@ -149,7 +299,7 @@ class TrainConfig:
     log_interval: int = 1
     # flash: fused attention kernels that store no s^2 scores (FlashAttention, cuDNN);
     # unfused: QK^T, softmax and AV as separate kernels (pre-2023 Megatron, eager PyTorch on CPU).
-    attention_backend: str = "flash"
+    attention_backend: AttentionBackend = AttentionBackend.flash
     # Start from these model weights (a megatron-core dist checkpoint, any layout: resharded on load).
     init_checkpoint: Optional[str] = None
     # Save the initial weights there before the first step (to start other layouts from them).
@@ -160,8 +310,11 @@ class TrainConfig:
 @dataclass
 class ClusterConfig:
     name: str = "cpu"
-    device: str = "cpu"  # cuda | cpu
+    device: Device = Device.cpu
     gpu: str = "cpu"  # accelerator model, for reports
+    # The precision when none is given (conf/precision/auto.yaml): bf16 where the accelerator has
+    # it, fp32 on CPU and on GPUs before bf16 (V100).
+    default_dtype: Dtype = Dtype.fp32
     nodes: int = 1
     gpus_per_node: int = 4  # on CPU: processes per node
     gpu_memory_gb: float = 4.0
@@ -182,14 +335,14 @@ class ClusterConfig:
 
 @dataclass
 class BackendConfig:
-    name: str = "megatron"  # megatron | deepspeed
+    name: BackendName = BackendName.megatron
 
 
 @dataclass
 class DataConfig:
-    name: str = "synthetic"  # synthetic | corpus
-    path: Optional[str] = None  # Megatron indexed dataset prefix (corpus)
-    tokenizer: str = "gpt2"
+    name: DataName = DataName.corpus
+    path: Optional[str] = None  # Megatron indexed dataset prefix (corpus); null: the bundled corpus
+    tokenizer: Tokenizer = Tokenizer.gpt2
     split: str = "98,2,0"
     num_workers: int = 1
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import yaml
 
-from toolkit.config.schema import Config
+from toolkit.config.schema import Config, plain
 from toolkit.emit.deepspeed import deepspeed_config
 from toolkit.emit.launch import launch_script
 from toolkit.emit.megatron import megatron_sections
@@ -33,9 +33,10 @@ def render(cfg: Config, layout: Layout) -> dict[str, str]:
     """File name -> contents, for every generated file."""
     sections = megatron_sections(cfg, layout)
     return {
-        "config.yaml": yaml.safe_dump(dataclasses.asdict(resolved_config(cfg, layout)), sort_keys=False),
+        # plain(): enum members as their strings (yaml.safe_dump refuses str subclasses)
+        "config.yaml": yaml.safe_dump(plain(resolved_config(cfg, layout)), sort_keys=False),
         "deepspeed.json": json.dumps(deepspeed_config(cfg, layout), indent=2) + "\n",
-        "megatron.yaml": yaml.safe_dump(sections, sort_keys=False),
+        "megatron.yaml": yaml.safe_dump(plain(sections), sort_keys=False),
         "megatron_args.txt": "\n".join(megatron_args(cfg, layout, sections)) + "\n",
         "launch.sh": launch_script(cfg, layout),
     }

@@ -1,4 +1,4 @@
-"""`parakit plan`: the configured layout's estimate, the layout search, the seed's decision path
+"""`parakit plan`: the configured layout's estimate, the layout search, the decision path
 and the checkpoint interval, as a table for people or JSON for machines."""
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def _table(rows: list[tuple]) -> str:
 
 
 def configured_estimate(cfg: Config) -> dict:
-    report = validate(cfg)
+    report = validate(cfg, data=False)  # the layout's estimate: the data plays no part
     if not report.ok:
         return {"valid": False, "errors": [str(e) for e in report.errors]}
     layout = resolve(cfg)
@@ -132,7 +132,7 @@ def _print_text(cfg, result, path, configured, ckpt, top) -> None:
         print("\nconfigured layout is not valid (the search below ignores it):")
         for error in configured["errors"]:
             print(f"  {error}")
-    print("\ndecision path (SEED-DIGEST section 6):")
+    print("\ndecision path (one GPU -> data parallel; one node -> tensor parallel; more -> pipeline across nodes):")
     for line in path:
         print(f"  {line}")
     if not result.ranked:

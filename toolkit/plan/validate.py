@@ -12,11 +12,14 @@ Sources for the rules: Megatron-LM `megatron/training/arguments.py::validate_arg
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass
+from enum import Enum
 from typing import Callable, Iterator
 
-from toolkit.config.schema import Config
+from toolkit.config.schema import TOKENIZER_VOCAB, Config, DataName
+from toolkit.plan.backends import backend_of, supporting
 from toolkit.plan.layout import (
     Layout,
     bubble_fraction,
@@ -39,7 +42,7 @@ class Violation:
     fix: str  # a concrete change that satisfies the rule
 
     def __str__(self) -> str:
-        values = ", ".join(f"{k}={v!r}" for k, v in self.fields.items())
+        values = ", ".join(f"{k}={v.value if isinstance(v, Enum) else v!r}" for k, v in self.fields.items())
         return f"{self.severity} [{self.rule}] {values}: {self.message}. Fix: {self.fix}"
 
 
@@ -85,28 +88,9 @@ def _listing(values) -> str:
     return ", ".join(str(v) for v in values)
 
 
-# ---------------------------------------------------------------- value ranges and choices
-_CHOICES = {
-    "model.family": ("llama", "qwen2", "mistral", "gpt2"),
-    "model.normalization": ("RMSNorm", "LayerNorm"),
-    "model.activation": ("swiglu", "gelu"),
-    "model.position_embedding": ("rope", "learned_absolute"),
-    "zero.offload_optimizer": ("none", "cpu", "nvme"),
-    "zero.offload_param": ("none", "cpu", "nvme"),
-    "precision.dtype": ("fp32", "bf16", "fp16", "fp8"),
-    "precision.loss_scaling": ("dynamic", "static", "none"),
-    "precision.fp8_format": ("hybrid", "e4m3"),
-    "recompute.granularity": ("none", "selective", "full"),
-    "recompute.method": ("uniform", "block"),
-    "optim.name": ("adamw",),
-    "optim.decay_style": ("cosine", "linear", "constant"),
-    "optim.lr_scaling": ("none", "linear", "sqrt"),
-    "train.attention_backend": ("flash", "unfused"),
-    "train.fault.nan_action": ("skip", "stop"),
-    "cluster.device": ("cuda", "cpu"),
-    "backend.name": ("megatron", "deepspeed"),
-    "data.name": ("synthetic", "corpus"),
-}
+# ---------------------------------------------------------------- value ranges
+# Closed sets of values (dtype, recompute, backend, ...) are enums in toolkit.config.schema:
+# composition refuses any other value and names the allowed ones.
 _AT_LEAST_ONE = (
     "model.num_layers",
     "model.hidden_size",
@@ -164,17 +148,33 @@ def _get(cfg: Config, path: str):
     return obj
 
 
+def _floats(section, prefix: str = "") -> Iterator[tuple[str, float, object]]:
+    """(path, value, default) of every float field of a configuration, nested sections included."""
+    for f in dataclasses.fields(section):
+        value = getattr(section, f.name)
+        if dataclasses.is_dataclass(value):
+            yield from _floats(value, f"{prefix}{f.name}.")
+        elif isinstance(value, float):
+            yield f"{prefix}{f.name}", value, f.default
+
+
+def _non_finite(cfg: Config) -> Iterator[Violation]:
+    """nan and inf compare false with every bound, so the range rules would let them through."""
+    for path, value, default in _floats(cfg):
+        if not math.isfinite(value):
+            example = ", or null to turn it off" if default is None else f", e.g. {default:g}"
+            yield _err("finite", {path: value}, "must be a finite number", f"set {path} to a finite number{example}")
+
+
 def _ranges(cfg: Config) -> Iterator[Violation]:
-    for path, choices in _CHOICES.items():
-        if _get(cfg, path) not in choices:
-            yield _err("choice", {path: _get(cfg, path)}, "not a supported value", f"use one of {', '.join(choices)}")
+    yield from _non_finite(cfg)
     for path in _AT_LEAST_ONE:
         value = _get(cfg, path)
         if value is not None and value < 1:
             yield _err("range", {path: value}, "must be a positive integer", f"set {path} >= 1")
     for path in _NON_NEGATIVE:
         value = _get(cfg, path)
-        if value is not None and value < 0:
+        if value is not None and value < 0 and math.isfinite(value):
             yield _err("range", {path: value}, "must not be negative", f"set {path} >= 0")
     for path in _POSITIVE:
         value = _get(cfg, path)
@@ -182,7 +182,8 @@ def _ranges(cfg: Config) -> Iterator[Violation]:
             yield _err("range", {path: value}, "must be positive (null turns it off)", f"set {path} > 0, or null")
     if cfg.zero.stage not in (0, 1, 2, 3):
         yield _err("choice", {"zero.stage": cfg.zero.stage}, "ZeRO has stages 0-3", "use zero=0, 1, 2 or 3")
-    bad_dropout = [p for p in ("model.hidden_dropout", "model.attention_dropout") if not 0 <= _get(cfg, p) < 1]
+    dropouts = ("model.hidden_dropout", "model.attention_dropout")
+    bad_dropout = [p for p in dropouts if math.isfinite(_get(cfg, p)) and not 0 <= _get(cfg, p) < 1]
     if bad_dropout:
         yield _err("range", {p: _get(cfg, p) for p in bad_dropout}, "a dropout rate lies in [0, 1)", "use 0.0 to 0.1")
     if cfg.train.steps is None and cfg.train.tokens is None:
@@ -193,7 +194,7 @@ def _ranges(cfg: Config) -> Iterator[Violation]:
             "set train.steps=N or train.tokens=N",
         )
     for path in ("optim.beta1", "optim.beta2"):
-        if not 0 <= _get(cfg, path) < 1:
+        if math.isfinite(_get(cfg, path)) and not 0 <= _get(cfg, path) < 1:
             yield _err(
                 "range",
                 {path: _get(cfg, path)},
@@ -302,13 +303,6 @@ def _parallel(cfg: Config) -> Iterator[Violation]:
             {"parallel.sequence_parallel": True, "model.seq_length": m.seq_length, "parallel.tp": p.tp},
             "sequence parallel needs the sequence length divisible by tp",
             f"use model.seq_length={m.seq_length - m.seq_length % p.tp or p.tp}",
-        )
-    if p.sequence_parallel and c.device == "cpu" and cfg.backend.name == "megatron":
-        yield _err(
-            "sp_cpu",
-            {"parallel.sequence_parallel": True, "cluster.device": "cpu"},
-            "megatron-core's sequence-parallel norms come from Transformer Engine or apex, which need CUDA",
-            "set parallel.sequence_parallel=false on CPU",
         )
     if p.cp > 1 and c.device == "cpu":
         yield _err(
@@ -422,97 +416,131 @@ def _batch(cfg: Config) -> Iterator[Violation]:
 
 
 # ---------------------------------------------------------------- backend-specific support
+def _others(feature) -> str:
+    """`backend=NAME` for the backends that have `feature` (a fix's alternative)."""
+    return " or ".join(f"backend={name}" for name in supporting(feature))
+
+
 def _backend(cfg: Config) -> Iterator[Violation]:
-    z, p, b, r = cfg.zero, cfg.parallel, cfg.backend.name, cfg.recompute
-    if b == "deepspeed":
-        if z.stage >= 2 and p.pp > 1:
-            yield _err(
-                "zero_pipeline",
-                {"zero.stage": z.stage, "parallel.pp": p.pp, "backend.name": b},
-                "DeepSpeed's pipeline engine supports ZeRO stage 0 or 1 only",
-                "use zero=1 with pipeline parallel, or parallel.pp=1 with ZeRO-2/3",
-            )
-        unsupported = {
-            k: v for k, v in (("parallel.tp", p.tp), ("parallel.cp", p.cp), ("parallel.vpp", p.vpp)) if v > 1
-        }
-        if p.sequence_parallel:
-            unsupported["parallel.sequence_parallel"] = True
-        if unsupported:
-            yield _err(
-                "deepspeed_layout",
-                {**unsupported, "backend.name": b},
-                "the deepspeed backend trains transformers models with DP, ZeRO and (non-interleaved) pipeline only",
-                "use backend=megatron for tensor, context, sequence parallel and interleaving",
-            )
-        if p.pp > 1 and cfg.model.sliding_window:
-            yield _err(
-                "pipeline_sliding_window",
-                {"parallel.pp": p.pp, "model.sliding_window": cfg.model.sliding_window},
-                "the deepspeed pipeline stages run decoder layers without the model's sliding-window mask",
-                "use parallel.pp=1 on the deepspeed backend, or backend=megatron",
-            )
-        if p.pp > 1 and cfg.model.tie_embeddings:
-            yield _err(
-                "pipeline_tied_embeddings",
-                {"parallel.pp": p.pp, "model.tie_embeddings": True, "backend.name": b},
-                "the deepspeed pipeline keeps the input embedding and the output head on different stages",
-                "use parallel.pp=1, model.tie_embeddings=false, or backend=megatron",
-            )
-        if cfg.precision.dtype == "fp8":
-            yield _err(
-                "fp8_backend",
-                {"precision.dtype": "fp8", "backend.name": b},
-                "FP8 training runs through Transformer Engine on the megatron backend",
-                "use precision=bf16 or backend=megatron",
-            )
-        if cfg.train.fault.nan_action == "skip" and cfg.zero.stage == 0 and cfg.precision.dtype == "fp32":
-            # DeepSpeed drops an update with non-finite gradients only in its fp16/bf16 and ZeRO optimizers.
-            yield _err(
-                "nan_action_backend",
-                {"train.fault.nan_action": "skip", "zero.stage": 0, "precision.dtype": "fp32", "backend.name": b},
-                "DeepSpeed's plain fp32 optimizer applies an update even when its gradients are NaN",
-                "use zero=1 (or higher), precision=bf16, train.fault.nan_action=stop, or backend=megatron",
-            )
-        if r.granularity == "selective":
-            yield _err(
-                "recompute_backend",
-                {"recompute.granularity": "selective", "backend.name": b},
-                "transformers models checkpoint whole layers only",
-                "use recompute=full or backend=megatron",
-            )
-    if b == "megatron":
-        if cfg.model.sliding_window and cfg.cluster.device == "cpu":
-            yield _err(
-                "sliding_window_cpu",
-                {"model.sliding_window": cfg.model.sliding_window, "cluster.device": "cpu"},
-                "megatron-core's sliding-window attention runs through Transformer Engine (CUDA)",
-                "use backend=deepspeed on CPU, or model.sliding_window=null",
-            )
-        if cfg.model.hf_path:
-            yield _err(
-                "hf_path_backend",
-                {"model.hf_path": cfg.model.hf_path, "backend.name": b},
-                "Hugging Face weights load on the deepspeed backend",
-                "use backend=deepspeed, or convert them to a Megatron checkpoint and set train.init_checkpoint",
-            )
-        if z.stage >= 2:
-            yield _err(
-                "zero_megatron",
-                {"zero.stage": z.stage, "backend.name": b},
-                "the megatron backend shards optimizer state across DP (distributed optimizer = zero=1) only",
-                "use zero=1 on megatron, or backend=deepspeed for ZeRO-2/3",
-            )
-        if z.offload_optimizer != "none" or z.offload_param != "none":
-            yield _err(
-                "offload_backend",
-                {
-                    "zero.offload_optimizer": z.offload_optimizer,
-                    "zero.offload_param": z.offload_param,
-                    "backend.name": b,
-                },
-                "offload is a DeepSpeed ZeRO feature here",
-                "use backend=deepspeed, or zero.offload_*=none",
-            )
+    """What the configured backend cannot run, read from its description (toolkit.plan.backends)."""
+    z, p, r, m = cfg.zero, cfg.parallel, cfg.recompute, cfg.model
+    be = backend_of(cfg)
+    b = be.name
+    if p.pp > 1 and z.stage in be.zero_stages and z.stage not in be.pipeline_zero_stages:
+        yield _err(
+            "zero_pipeline",
+            {"zero.stage": z.stage, "parallel.pp": p.pp, "backend.name": b},
+            f"the {b} backend's pipeline engine supports ZeRO stage {_listing(be.pipeline_zero_stages)} only",
+            f"use zero={max(be.pipeline_zero_stages)} with pipeline parallel, or parallel.pp=1 with ZeRO-{z.stage}",
+        )
+    dims = {"tp": ("parallel.tp", p.tp, p.tp > 1), "cp": ("parallel.cp", p.cp, p.cp > 1)}
+    dims |= {"vpp": ("parallel.vpp", p.vpp, p.vpp > 1), "sp": ("parallel.sequence_parallel", True, p.sequence_parallel)}
+    used = {dim for dim, (_, _, on) in dims.items() if on}
+    unsupported = {dims[dim][0]: dims[dim][1] for dim in sorted(used - be.parallel_dims)}
+    if unsupported:
+        yield _err(
+            f"{b}_layout",
+            {**unsupported, "backend.name": b},
+            f"the {b} backend trains with data parallel, ZeRO and "
+            f"{', '.join(sorted(be.parallel_dims)) or 'no model'} parallelism only",
+            f"use {_others(lambda o: used <= o.parallel_dims)} for {', '.join(unsupported)}",
+        )
+    if p.pp > 1 and m.sliding_window and not be.pipeline_sliding_window:
+        yield _err(
+            "pipeline_sliding_window",
+            {"parallel.pp": p.pp, "model.sliding_window": m.sliding_window},
+            f"the {b} pipeline stages run decoder layers without the model's sliding-window mask",
+            f"use parallel.pp=1 on the {b} backend, or {_others(lambda o: o.pipeline_sliding_window)}",
+        )
+    if p.pp > 1 and m.tie_embeddings and not be.pipeline_tied_embeddings:
+        yield _err(
+            "pipeline_tied_embeddings",
+            {"parallel.pp": p.pp, "model.tie_embeddings": True, "backend.name": b},
+            f"the {b} pipeline keeps the input embedding and the output head on different stages",
+            f"use parallel.pp=1, model.tie_embeddings=false, or {_others(lambda o: o.pipeline_tied_embeddings)}",
+        )
+    if (p.first_stage_layers is not None or p.last_stage_layers is not None) and not be.uneven_pipeline_stages:
+        yield _err(
+            "uneven_pipeline_backend",
+            {
+                "parallel.first_stage_layers": p.first_stage_layers,
+                "parallel.last_stage_layers": p.last_stage_layers,
+                "backend.name": b,
+            },
+            f"the {b} pipeline balances the decoder layers over its stages itself",
+            "set parallel.first_stage_layers=null and parallel.last_stage_layers=null, or "
+            f"{_others(lambda o: o.uneven_pipeline_stages)}",
+        )
+    if cfg.precision.dtype not in be.precisions:
+        yield _err(
+            f"{cfg.precision.dtype}_backend",
+            {"precision.dtype": cfg.precision.dtype, "backend.name": b},
+            f"the {b} backend trains in {_listing(be.precisions)}",
+            f"use precision=bf16 or {_others(lambda o: cfg.precision.dtype in o.precisions)}",
+        )
+    if (
+        be.nan_skip_needs_overflow_check
+        and cfg.train.fault.nan_action == "skip"
+        and z.stage == 0
+        and cfg.precision.dtype == "fp32"
+    ):
+        # DeepSpeed drops an update with non-finite gradients only in its fp16/bf16 and ZeRO optimizers.
+        yield _err(
+            "nan_action_backend",
+            {"train.fault.nan_action": "skip", "zero.stage": 0, "precision.dtype": "fp32", "backend.name": b},
+            f"the {b} backend's plain fp32 optimizer applies an update even when its gradients are NaN",
+            "use zero=1 (or higher), precision=bf16, train.fault.nan_action=stop, or "
+            f"{_others(lambda o: not o.nan_skip_needs_overflow_check)}",
+        )
+    if r.granularity not in be.recompute:
+        yield _err(
+            "recompute_backend",
+            {"recompute.granularity": r.granularity, "backend.name": b},
+            f"the {b} backend recomputes {_listing(be.recompute)} only",
+            f"use recompute=full or {_others(lambda o: r.granularity in o.recompute)}",
+        )
+    if m.sliding_window and cfg.cluster.device == "cpu" and not be.cpu_sliding_window:
+        yield _err(
+            "sliding_window_cpu",
+            {"model.sliding_window": m.sliding_window, "cluster.device": "cpu"},
+            f"the {b} backend's sliding-window attention runs through Transformer Engine (CUDA)",
+            f"use {_others(lambda o: o.cpu_sliding_window)} on CPU, or model.sliding_window=null",
+        )
+    if (
+        p.sequence_parallel
+        and cfg.cluster.device == "cpu"
+        and "sp" in be.parallel_dims
+        and not be.cpu_sequence_parallel
+    ):
+        yield _err(
+            "sp_cpu",
+            {"parallel.sequence_parallel": True, "cluster.device": "cpu"},
+            f"the {b} backend's sequence-parallel norms come from Transformer Engine or apex, which need CUDA",
+            "set parallel.sequence_parallel=false on CPU",
+        )
+    if m.hf_path and not be.hf_weights:
+        yield _err(
+            "hf_path_backend",
+            {"model.hf_path": m.hf_path, "backend.name": b},
+            f"Hugging Face weights load on the {_others(lambda o: o.hf_weights)} backend",
+            f"use {_others(lambda o: o.hf_weights)}, or convert them to a Megatron checkpoint and set "
+            "train.init_checkpoint",
+        )
+    if z.stage not in be.zero_stages:
+        yield _err(
+            f"zero_{b}",
+            {"zero.stage": z.stage, "backend.name": b},
+            f"the {b} backend runs ZeRO stage {_listing(be.zero_stages)} ({be.zero_meaning})",
+            f"use zero={max(be.zero_stages)} on {b}, or {_others(lambda o: z.stage in o.zero_stages)} for "
+            f"ZeRO-{z.stage}",
+        )
+    if (z.offload_optimizer != "none" or z.offload_param != "none") and not be.offload:
+        yield _err(
+            "offload_backend",
+            {"zero.offload_optimizer": z.offload_optimizer, "zero.offload_param": z.offload_param, "backend.name": b},
+            "offload is a DeepSpeed ZeRO feature here",
+            f"use {_others(lambda o: o.offload)}, or zero.offload_*=none",
+        )
     if z.offload_optimizer != "none" and z.stage == 0:
         yield _err(
             "offload_stage",
@@ -630,14 +658,13 @@ def _checkpoint(cfg: Config) -> Iterator[Violation]:
             "two save intervals given: the planner's rule picks the interval in steps",
             "set checkpoint.interval_steps=null, or checkpoint.auto_interval=false",
         )
-    if c.async_save and cfg.backend.name == "deepspeed":
-        # DeepSpeed's background writers are Nebula (Azure only) and the decoupled FastPersist
-        # engine (the async_io op: libaio and NVMe); neither is part of parakit's stack.
+    be = backend_of(cfg)
+    if c.async_save and not be.async_save:
         yield _err(
             "async_save_backend",
-            {"checkpoint.async_save": True, "backend.name": "deepspeed"},
+            {"checkpoint.async_save": True, "backend.name": be.name},
             "parakit's asynchronous save uses megatron-core's dist_checkpointing",
-            "use checkpoint.async_save=false on the deepspeed backend, or backend=megatron",
+            f"use checkpoint.async_save=false on the {be.name} backend, or {_others(lambda o: o.async_save)}",
         )
 
 
@@ -700,6 +727,21 @@ def _warnings(cfg: Config, layout: Layout) -> Iterator[Violation]:
         )
 
 
+# ---------------------------------------------------------------- the training data
+def _data(cfg: Config) -> Iterator[Violation]:
+    """A corpus holds every token id of its tokenizer: each needs a row of the embedding."""
+    d, m = cfg.data, cfg.model
+    tokens = TOKENIZER_VOCAB.get(d.tokenizer)
+    if d.name == DataName.corpus and tokens is not None and m.vocab_size < tokens:
+        yield _err(
+            "vocab_tokenizer",
+            {"model.vocab_size": m.vocab_size, "data.name": d.name, "data.tokenizer": d.tokenizer},
+            f"the corpus is tokenized with {d.tokenizer} ({tokens} tokens): token ids from {m.vocab_size} up have no "
+            "embedding row",
+            f"use data=synthetic (random tokens below model.vocab_size), or a model with model.vocab_size>={tokens}",
+        )
+
+
 _ERROR_RULES: tuple[Callable[[Config], Iterator[Violation]], ...] = (
     _model,
     _parallel,
@@ -712,12 +754,15 @@ _ERROR_RULES: tuple[Callable[[Config], Iterator[Violation]], ...] = (
 )
 
 
-def validate(cfg: Config) -> Report:
-    """Every error and warning of `cfg`, at once."""
+def validate(cfg: Config, *, data: bool = True) -> Report:
+    """Every error and warning of `cfg`, at once. `data=False` leaves out the rules about the
+    training data (the layout search: a layout does not depend on the data)."""
     errors = list(_ranges(cfg))
     if not any(e.rule == "range" for e in errors):  # the other rules divide by these values
         for rule in _ERROR_RULES:
             errors.extend(rule(cfg))
+        if data:
+            errors.extend(_data(cfg))
     warnings = [] if errors else list(_warnings(cfg, resolve(cfg)))
     return Report(tuple(errors), tuple(warnings))
 
