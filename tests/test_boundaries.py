@@ -101,3 +101,11 @@ def test_no_import_cycles_in_train():
 
 def test_launch_does_not_import_the_worker_entry():
     assert "__main__" not in _train_imports()["launch"]
+
+
+def test_every_backend_choice_has_a_description():
+    """The schema's backend choices and the backend descriptions name the same backends."""
+    from toolkit.config.schema import BackendName
+    from toolkit.plan.backends import BACKENDS
+
+    assert {str(b) for b in BackendName} == set(BACKENDS)
