@@ -27,7 +27,7 @@ class DataParallelSteps(deepspeed_engine.EngineSteps):
     def forward_backward(self, step: int, poison: bool, beat) -> Gradients:
         engine, layout = self.engine, self.layout
         poison = poison and torch.distributed.get_rank() == 0
-        total = torch.zeros((), dtype=torch.float32)
+        total = torch.zeros((), dtype=torch.float32, device=engine.device)  # NCCL reduces device tensors
         for _ in range(layout.grad_accum):
             batch = {k: v.to(engine.device) for k, v in next(self.batches).items()}
             logits = engine(input_ids=batch["tokens"], position_ids=batch["position_ids"]).logits
@@ -36,7 +36,7 @@ class DataParallelSteps(deepspeed_engine.EngineSteps):
                 loss = loss * float("nan")
             engine.backward(loss)
             engine.step()
-            total += loss.detach().float().cpu()
+            total += loss.detach().float()  # no host sync per micro-batch
             beat(step)
         total /= layout.grad_accum
         torch.distributed.all_reduce(total)

@@ -124,7 +124,7 @@ class PipelineSteps(deepspeed_engine.EngineSteps):
         self.pipe_loss.poison = poison
         loss = engine.train_batch(data_iter=self.batches)  # mean over micro-batches, on every stage
         beat(step)
-        total = loss.detach().float().cpu().reshape(1)
+        total = loss.detach().float().reshape(1).to(engine.device)  # NCCL reduces device tensors
         if engine.is_last_stage():
             torch.distributed.all_reduce(total, group=engine.grid.get_data_parallel_group())
         total = total / self.layout.dp

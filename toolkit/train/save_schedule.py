@@ -37,7 +37,10 @@ class SaveSchedule:
         if not self.cfg.checkpoint.interval_minutes:
             return False
         elapsed_minutes = (time.monotonic() - self.last_save) / 60
-        decision = torch.tensor([elapsed_minutes >= self.cfg.checkpoint.interval_minutes], dtype=torch.uint8)
+        device = torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else None
+        decision = torch.tensor(
+            [elapsed_minutes >= self.cfg.checkpoint.interval_minutes], dtype=torch.uint8, device=device
+        )
         torch.distributed.broadcast(decision, src=0)
         return bool(decision.item())
 
