@@ -18,7 +18,17 @@ from pathlib import Path
 
 import numpy as np
 
-CACHE = Path(os.environ.get("PARAKIT_CACHE", Path(__file__).resolve().parents[2] / ".cache"))
+
+def _default_cache() -> Path:
+    """A checkout's ignored .cache/ when parakit runs from one; else the user's cache directory
+    (an installed package must not write into site-packages)."""
+    checkout = Path(__file__).resolve().parents[2]
+    if (checkout / "pyproject.toml").is_file():
+        return checkout / ".cache"
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "parakit"
+
+
+CACHE = Path(os.environ.get("PARAKIT_CACHE", _default_cache()))
 CORPUS_NAME = "kjv_gpt2"
 
 
