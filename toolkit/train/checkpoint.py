@@ -126,6 +126,18 @@ def find_resumable(root: Path, report=print, unusable: list | None = None) -> Pa
     return None
 
 
+def seed_host_rngs(seed: int) -> None:
+    """Seed this process's python, numpy and torch generators (torch also seeds CUDA)."""
+    import random
+
+    import numpy as np
+    import torch
+
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
 def host_rng_state() -> dict:
     """This process's random generators: python, numpy, torch CPU and CUDA."""
     import random

@@ -12,6 +12,7 @@ from toolkit.config.schema import Config
 from toolkit.emit.deepspeed import deepspeed_config
 from toolkit.plan.layout import Layout
 from toolkit.train import deepspeed_engine
+from toolkit.train.checkpoint import seed_host_rngs
 from toolkit.train.data import micro_batches, train_dataset
 from toolkit.train.loop import Gradients
 
@@ -49,7 +50,7 @@ def setup(cfg: Config, layout: Layout) -> deepspeed_engine.EngineSteps:
     world = torch.distributed.get_world_size()
     if world != layout.world_size:
         raise RuntimeError(f"launched with {world} processes but the layout needs {layout.world_size}")
-    deepspeed_engine.seed_host_rngs(cfg.train.seed)
+    seed_host_rngs(cfg.train.seed)
     ds_json = deepspeed_config(cfg, layout)
     if layout.pp > 1:
         from toolkit.train.deepspeed_pipe import PipelineSteps

@@ -11,11 +11,9 @@ from __future__ import annotations
 
 import importlib
 import os
-import random
 from functools import partial
 from pathlib import Path
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -158,12 +156,6 @@ def token_loss(logits: torch.Tensor, labels: torch.Tensor, loss_mask: torch.Tens
     losses = F.cross_entropy(logits.float().reshape(-1, logits.size(-1)), labels.reshape(-1), reduction="none")
     mask = loss_mask.reshape(-1).float()
     return torch.sum(losses * mask) / mask.sum()
-
-
-def seed_host_rngs(seed: int) -> None:
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
 
 
 class EngineSteps:

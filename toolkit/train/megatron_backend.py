@@ -7,11 +7,9 @@ Runs on NVIDIA GPUs with NCCL, and on CPU with gloo through toolkit.train.mcore_
 from __future__ import annotations
 
 import json
-import random
 from functools import partial
 from pathlib import Path
 
-import numpy as np
 import torch
 
 from toolkit.config.schema import Config
@@ -40,9 +38,7 @@ def _init_distributed(layout: Layout) -> None:
 def _seed(seed: int) -> None:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
+    ckpt.seed_host_rngs(seed)
     model_parallel_cuda_manual_seed(seed)
 
 
