@@ -132,6 +132,10 @@ def _print_text(cfg, result, path, configured, ckpt, top) -> None:
         print("\nconfigured layout is not valid (the search below ignores it):")
         for error in configured["errors"]:
             print(f"  {error}")
+    if not result.valid:  # not a question of memory: no layout escapes the errors
+        print("\nno layout of the search is valid either: the errors above do not depend on the layout; fix them first")
+        print(f"\nsearched {result.considered} layouts: 0 valid; {result.seconds:.2f} s", file=sys.stderr)
+        return
     print("\ndecision path (one GPU -> data parallel; one node -> tensor parallel; more -> pipeline across nodes):")
     for line in path:
         print(f"  {line}")
