@@ -160,11 +160,13 @@ def candidate_configs(cfg: Config):
     world = world_size(cfg)
     backend = backend_of(cfg)
     zeros, recomputes, dims = backend.zero_stages, backend.recompute, backend.parallel_dims
-    splits = _stage_splits if backend.uneven_pipeline_stages else lambda *_: [(None, None)]
     for tp in _tp_options(cfg) if "tp" in dims else [1]:
-        for pp in (d for d in range(1, min(world // tp, m.num_layers) + 1) if (world // tp) % d == 0):
+        pps = [d for d in range(1, min(world // tp, m.num_layers) + 1) if (world // tp) % d == 0]
+        for pp in pps if "pp" in dims else [1]:
             for vpp in VPPS if "vpp" in dims and pp > 1 else (1,):
-                for first, last in splits(m.num_layers, pp, vpp):
+                for first, last in _stage_splits(m.num_layers, pp, vpp):
+                    if first is not None and not backend.uneven_pipeline_stages:
+                        continue
                     for cp in CPS if "cp" in dims and m.seq_length >= 8192 else (1,):
                         if world % (tp * pp * cp) or m.seq_length % (2 * cp) and cp > 1:
                             continue

@@ -433,17 +433,25 @@ def _backend(cfg: Config) -> Iterator[Violation]:
             f"the {b} backend's pipeline engine supports ZeRO stage {_listing(be.pipeline_zero_stages)} only",
             f"use zero={max(be.pipeline_zero_stages)} with pipeline parallel, or parallel.pp=1 with ZeRO-{z.stage}",
         )
-    dims = {"tp": ("parallel.tp", p.tp, p.tp > 1), "cp": ("parallel.cp", p.cp, p.cp > 1)}
-    dims |= {"vpp": ("parallel.vpp", p.vpp, p.vpp > 1), "sp": ("parallel.sequence_parallel", True, p.sequence_parallel)}
-    used = {dim for dim, (_, _, on) in dims.items() if on}
-    unsupported = {dims[dim][0]: dims[dim][1] for dim in sorted(used - be.parallel_dims)}
+    in_use = {  # model-parallel dimension -> (field, value), for those this layout uses
+        dim: (field, value)
+        for dim, field, value, used in (
+            ("tp", "parallel.tp", p.tp, p.tp > 1),
+            ("pp", "parallel.pp", p.pp, p.pp > 1),
+            ("vpp", "parallel.vpp", p.vpp, p.vpp > 1),
+            ("cp", "parallel.cp", p.cp, p.cp > 1),
+            ("sp", "parallel.sequence_parallel", True, p.sequence_parallel),
+        )
+        if used
+    }
+    unsupported = {field: value for dim, (field, value) in in_use.items() if dim not in be.parallel_dims}
     if unsupported:
         yield _err(
             f"{b}_layout",
             {**unsupported, "backend.name": b},
             f"the {b} backend trains with data parallel, ZeRO and "
             f"{', '.join(sorted(be.parallel_dims)) or 'no model'} parallelism only",
-            f"use {_others(lambda o: used <= o.parallel_dims)} for {', '.join(unsupported)}",
+            f"use {_others(lambda o: set(in_use) <= o.parallel_dims)} for {', '.join(unsupported)}",
         )
     if p.pp > 1 and m.sliding_window and not be.pipeline_sliding_window:
         yield _err(
