@@ -15,6 +15,7 @@ from upstream import deepspeed_accepts, megatron_accepts
 
 from toolkit.config.schema import Config
 from toolkit.config.store import conf_dir
+from toolkit.data.manifest import Manifest, manifest_path
 from toolkit.emit.files import GENERATED
 
 FLAGS = {
@@ -178,10 +179,19 @@ def test_options_are_parsed_per_call(tmp_path, monkeypatch, capsys):
     [
         (["data=synthetic"], "data: synthetic (random tokens)"),
         (["data=corpus"], "data: corpus (the bundled King James Bible, GPT-2 BPE)"),
-        (["data=corpus", "data.path=/data/my_corpus_text_document"], "data: corpus (/data/my_corpus_text_document)"),
+        (["data=corpus", "data.path=PREFIX"], "data: corpus (PREFIX: no manifest, tokenizer gpt2)"),
+        (["data.path=PREFIX", "+MANIFEST"], "data: corpus (PREFIX: 3 documents, 12 tokens, tokenizer /tok, vocab 60)"),
     ],
 )
 def test_summary_says_which_data(tmp_path, overrides, line):
+    """The summary names the data; for a prepared prefix, what its manifest says."""
+    prefix = tmp_path / "my_corpus"
+    for suffix in (".bin", ".idx"):
+        Path(f"{prefix}{suffix}").touch()  # the validator checks that they exist
+    if "+MANIFEST" in overrides:
+        overrides.remove("+MANIFEST")
+        Manifest("/tok", "PreTrainedTokenizerFast", 60, 0, "uint16", 3, 12).write(manifest_path(prefix))
+    overrides, line = [o.replace("PREFIX", str(prefix)) for o in overrides], line.replace("PREFIX", str(prefix))
     result = parakit("validate", *overrides, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert line in result.stdout.splitlines()

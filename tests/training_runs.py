@@ -66,8 +66,13 @@ def losses(result) -> list[float]:
     return json.loads((result.run_dir / "result.json").read_text())["losses"]
 
 
+def jsonl(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
 def records(result) -> list[dict]:
-    return [json.loads(line) for line in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    """The step records of metrics.jsonl (evaluations have records of their own)."""
+    return [r for r in jsonl(result.run_dir) if "loss" in r]
 
 
 def saved_steps(result) -> list[int]:
@@ -106,7 +111,8 @@ class Trained:
 
     def __init__(self, run_dir: Path):
         self.run_dir = run_dir
-        self.records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        self.records = [r for r in jsonl(run_dir) if "loss" in r]
+        self.evaluations = [r for r in jsonl(run_dir) if "val_loss" in r]
         self.result = json.loads((run_dir / "result.json").read_text())
 
     @property
@@ -124,6 +130,7 @@ class Trained:
         """The same run, its records after `step` only (to compare with a run resumed there)."""
         later = copy.copy(self)
         later.records = [r for r in self.records if r["step"] > step]
+        later.evaluations = [r for r in self.evaluations if r["step"] > step]
         return later
 
 

@@ -46,6 +46,7 @@ class Command:
     handler: Callable[[object, argparse.Namespace], int]  # (Config, parsed options) -> exit code
     options: tuple[Option, ...] = ()
     writes: bool = False  # writes a run directory (else: no run directory, no log file)
+    hydra: bool = True  # composes a configuration from overrides (else: its own options only)
 
 
 def _positive_int(text: str) -> int:
@@ -70,7 +71,9 @@ def _data_line(cfg) -> str:
     data = cfg.data
     name = getattr(data.name, "value", data.name)  # an Enum once the schema types it
     if data.path:
-        return f"data: {name} ({data.path})"
+        from toolkit.data.manifest import describe
+
+        return f"data: {name} ({describe(data.path, data.tokenizer)})"
     return f"data: {name} ({DATA_DESCRIPTIONS.get(name, 'see conf/data')})"
 
 
@@ -145,6 +148,35 @@ def _train(cfg, opts) -> int:
     return train_here(cfg, *written)
 
 
+def _data_prepare(cfg, opts) -> int:
+    from toolkit.data.prepare import prepare
+    from toolkit.data.sources import BadInput
+
+    try:
+        manifest, throughput = prepare(
+            [Path(p) for p in opts.inputs],
+            Path(opts.output),
+            tokenizer_spec=opts.tokenizer,
+            text_key=opts.text_key,
+            workers=opts.workers,
+            skip_bad_lines=opts.skip_bad_lines,
+            fmt=opts.format,
+            overwrite=opts.overwrite,
+        )
+    except BadInput as e:
+        print(f"parakit data prepare: {e}", file=sys.stderr)
+        return 2
+    print(f"prepared {opts.output}: {throughput}")
+    print(
+        f"tokenizer {manifest.tokenizer} ({manifest.tokenizer_class}), vocabulary {manifest.vocab_size:,}, "
+        f"end of document {manifest.eod}, ids stored as {manifest.dtype}"
+    )
+    if manifest.skipped_lines or manifest.empty_documents:
+        print(f"skipped {manifest.skipped_lines} bad line(s) and {manifest.empty_documents} document(s) without text")
+    print(f"train on it: parakit train data.path={opts.output} model.vocab_size={manifest.vocab_size} ...")
+    return 0
+
+
 def _plan(cfg, opts) -> int:
     from toolkit.plan.report import plan_command
 
@@ -173,6 +205,26 @@ COMMANDS = {
             ),
         ),
         Command(
+            "data prepare",
+            "tokenize jsonl, text or parquet files into a Megatron indexed dataset (PREFIX.bin/.idx) with the "
+            "tokenizer's files and a manifest, for data.path=PREFIX",
+            _data_prepare,
+            hydra=False,
+            options=(
+                Option(("inputs",), dict(nargs="+", metavar="INPUT", help="input files (.jsonl, .txt, .parquet)")),
+                Option(("--output",), dict(required=True, metavar="PREFIX", help="writes PREFIX.bin, .idx, ...")),
+                Option(
+                    ("--tokenizer",),
+                    dict(default="gpt2", metavar="DIR", help="a Hugging Face tokenizer directory, or gpt2 (bundled)"),
+                ),
+                Option(("--text-key",), dict(default="text", metavar="KEY", help="the text field (jsonl, parquet)")),
+                Option(("--workers",), dict(type=_positive_int, default=1, metavar="N", help="tokenizer processes")),
+                Option(("--skip-bad-lines",), dict(action="store_true", help="count and skip bad lines")),
+                Option(("--format",), dict(choices=["jsonl", "text", "parquet"], help="default: by file extension")),
+                Option(("--overwrite",), dict(action="store_true", help="replace a dataset prepared at PREFIX")),
+            ),
+        ),
+        Command(
             "train",
             "validate, generate the run directory, then train: in this process for one rank, through torchrun "
             "for several (cluster.gpus_per_node ranks on this machine)",
@@ -186,7 +238,7 @@ COMMANDS = {
 def _usage() -> str:
     lines = ["usage: parakit COMMAND [OPTIONS] [OVERRIDES...]", "       parakit --version", "", "commands:"]
     for c in COMMANDS.values():
-        lines += textwrap.wrap(c.description, 90, initial_indent=f"  {c.name:<10} ", subsequent_indent=" " * 13)
+        lines += textwrap.wrap(c.description, 90, initial_indent=f"  {c.name:<13} ", subsequent_indent=" " * 16)
     lines += [
         "",
         "overrides are Hydra's: model=llama3_8b cluster=8xh100 parallel.tp=8 zero=1 precision=bf16",
@@ -199,13 +251,15 @@ def _usage() -> str:
 def _parser(command: Command) -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog=f"parakit {command.name}",
-        usage=f"parakit {command.name} [OPTIONS] [OVERRIDES...]",
+        usage=f"parakit {command.name} [OPTIONS] [OVERRIDES...]" if command.hydra else None,
         description=command.description,
         add_help=False,
         allow_abbrev=False,  # `-m` and other Hydra flags pass through untouched
     )
-    parser.add_argument("-h", "--help", action="store_true", help="show this help: options and config groups")
-    for option in (*command.options, CONFIG_DIR):
+    parser.add_argument(
+        "-h", "--help", action="store_true", help="show this help" + (": options and config groups" * command.hydra)
+    )
+    for option in (*command.options, CONFIG_DIR) if command.hydra else command.options:
         parser.add_argument(*option.flags, **option.kwargs)
     return parser
 
@@ -274,13 +328,19 @@ def main(argv: list[str] | None = None) -> int:
     if argv[0] == "--version":
         print(f"parakit {_version()}")
         return 0
-    command = COMMANDS.get(argv[0])
+    words = 2 if " ".join(argv[:2]) in COMMANDS else 1  # `data prepare`: a command of two words
+    command = COMMANDS.get(" ".join(argv[:words]))
     if command is None:
-        print(f"parakit: unknown command {argv[0]!r}\n\n{_usage()}", file=sys.stderr)
+        print(f"parakit: unknown command {' '.join(argv[:2])!r}\n\n{_usage()}", file=sys.stderr)
         return 2
     parser = _parser(command)
     try:
-        opts, rest = parser.parse_known_args(argv[1:])
+        if not command.hydra:
+            if "-h" in argv or "--help" in argv:
+                print(parser.format_help().rstrip())
+                return 0
+            return command.handler(None, parser.parse_args(argv[words:]))
+        opts, rest = parser.parse_known_args(argv[words:])
         if opts.help:
             print(_help(parser, search_path(opts.config_dir)))
             return 0

@@ -297,6 +297,10 @@ class TrainConfig:
     tokens: Optional[int] = None  # total training tokens; sets steps when steps is null
     seed: int = 1234
     log_interval: int = 1
+    # Validation loss every N steps (and after the last) on the validation part of data.split:
+    # the same eval_iters global batches each time, so that the values compare. null: none.
+    eval_interval: Optional[int] = None
+    eval_iters: int = 10
     # flash: fused attention kernels that store no s^2 scores (FlashAttention, cuDNN);
     # unfused: QK^T, softmax and AV as separate kernels (pre-2023 Megatron, eager PyTorch on CPU).
     attention_backend: AttentionBackend = AttentionBackend.flash
@@ -341,9 +345,11 @@ class BackendConfig:
 @dataclass
 class DataConfig:
     name: DataName = DataName.corpus
-    path: Optional[str] = None  # Megatron indexed dataset prefix (corpus); null: the bundled corpus
-    tokenizer: Tokenizer = Tokenizer.gpt2
-    split: str = "98,2,0"
+    # A prefix made by `parakit data prepare` (its manifest names the tokenizer and vocabulary), or
+    # a blend "W1 PREFIX1 W2 PREFIX2 ..." as Megatron-LM's --data-path; null: the bundled corpus.
+    path: Optional[str] = None
+    tokenizer: Tokenizer = Tokenizer.gpt2  # for a prefix without a manifest
+    split: str = "98,2,0"  # train,valid,test shares of the documents (Megatron-LM's --split)
     num_workers: int = 1
 
 

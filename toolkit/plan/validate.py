@@ -16,9 +16,11 @@ import dataclasses
 import math
 from dataclasses import dataclass
 from enum import Enum
+from pathlib import Path
 from typing import Callable, Iterator
 
 from toolkit.config.schema import TOKENIZER_VOCAB, Config, DataName
+from toolkit.data.manifest import parse_blend, read_manifest
 from toolkit.plan.backends import backend_of, supporting
 from toolkit.plan.layout import (
     Layout,
@@ -92,6 +94,8 @@ def _listing(values) -> str:
 # Closed sets of values (dtype, recompute, backend, ...) are enums in toolkit.config.schema:
 # composition refuses any other value and names the allowed ones.
 _AT_LEAST_ONE = (
+    "train.eval_interval",
+    "train.eval_iters",
     "model.num_layers",
     "model.hidden_size",
     "model.num_attention_heads",
@@ -736,18 +740,96 @@ def _warnings(cfg: Config, layout: Layout) -> Iterator[Violation]:
 
 
 # ---------------------------------------------------------------- the training data
+def _split(text: str) -> list[float] | None:
+    """data.split as Megatron-LM reads it: up to three comma-separated non-negative shares."""
+    try:
+        shares = [float(part) for part in text.replace("/", ",").split(",")]
+    except ValueError:
+        return None
+    if not 1 <= len(shares) <= 3 or any(not math.isfinite(x) or x < 0 for x in shares) or shares[0] <= 0:
+        return None
+    return shares + [0.0] * (3 - len(shares))
+
+
+def _prefixes(d) -> Iterator[Violation | str]:
+    """data.path's prefixes, or the violations that make them unreadable."""
+    try:
+        prefixes, _ = parse_blend(d.path)
+    except ValueError as e:
+        yield _err("data_path", {"data.path": d.path}, str(e), "give one prefix, or 'W1 PREFIX1 W2 PREFIX2 ...'")
+        return
+    for prefix in prefixes:
+        missing = [s for s in (".bin", ".idx") if not Path(prefix + s).is_file()]
+        if missing:
+            yield _err(
+                "data_path",
+                {"data.path": prefix},
+                f"no {' or '.join(prefix + s for s in missing)}",
+                f"prepare it: parakit data prepare FILES... --output {prefix}",
+            )
+        else:
+            yield prefix
+
+
 def _data(cfg: Config) -> Iterator[Violation]:
-    """A corpus holds every token id of its tokenizer: each needs a row of the embedding."""
+    """The data exists, every token id of its tokenizer has an embedding row, the blend's parts
+    share one tokenizer, and the split leaves validation documents when evaluation is asked for."""
     d, m = cfg.data, cfg.model
-    tokens = TOKENIZER_VOCAB.get(d.tokenizer)
-    if d.name == DataName.corpus and tokens is not None and m.vocab_size < tokens:
+    shares = _split(d.split)
+    if shares is None:
         yield _err(
-            "vocab_tokenizer",
-            {"model.vocab_size": m.vocab_size, "data.name": d.name, "data.tokenizer": d.tokenizer},
-            f"the corpus is tokenized with {d.tokenizer} ({tokens} tokens): token ids from {m.vocab_size} up have no "
-            "embedding row",
-            f"use data=synthetic (random tokens below model.vocab_size), or a model with model.vocab_size>={tokens}",
+            "data_split",
+            {"data.split": d.split},
+            "not train,valid,test shares (non-negative numbers, train above 0)",
+            "use e.g. data.split='98,2,0' (quoted: Hydra reads a bare 98,2,0 as a sweep)",
         )
+    elif d.name == DataName.corpus and cfg.train.eval_interval and shares[1] == 0:
+        yield _err(
+            "eval_split",
+            {"train.eval_interval": cfg.train.eval_interval, "data.split": d.split},
+            "evaluation needs validation documents, and the split gives them none",
+            "give the validation part a share, e.g. data.split='98,2,0', or set train.eval_interval=null",
+        )
+    if d.name != DataName.corpus:
+        return
+    vocabularies = {}  # tokenizer -> (vocab, prefixes)
+    if d.path:
+        for item in _prefixes(d):
+            if isinstance(item, Violation):
+                yield item
+                continue
+            manifest = read_manifest(item)
+            key = (manifest.tokenizer, manifest.vocab_size, manifest.eod) if manifest else (d.tokenizer, None, None)
+            vocabularies.setdefault(key, []).append(item)
+    else:
+        vocabularies[(d.tokenizer, None, None)] = ["the bundled corpus"]
+    if len(vocabularies) > 1:
+        yield _err(
+            "data_tokenizer",
+            {"data.path": d.path},
+            "the blend's datasets were tokenized differently: "
+            + "; ".join(
+                f"{', '.join(p)} with {t} ({v or TOKENIZER_VOCAB.get(t)} tokens)"
+                for (t, v, _), p in vocabularies.items()
+            ),
+            "prepare every part with the same --tokenizer",
+        )
+    for (tokenizer, vocab, _), prefixes in vocabularies.items():
+        tokens = vocab or TOKENIZER_VOCAB.get(tokenizer)
+        if tokens is not None and m.vocab_size < tokens:
+            yield _err(
+                "vocab_tokenizer",
+                {
+                    "model.vocab_size": m.vocab_size,
+                    "data.name": d.name,
+                    "data.path": d.path,
+                    "data.tokenizer": tokenizer,
+                },
+                f"{', '.join(prefixes)} is tokenized with {tokenizer} ({tokens} tokens): token ids from "
+                f"{m.vocab_size} up have no embedding row",
+                f"set model.vocab_size={tokens} (or larger), or use data=synthetic (random tokens below "
+                "model.vocab_size)",
+            )
 
 
 _ERROR_RULES: tuple[Callable[[Config], Iterator[Violation]], ...] = (

@@ -9,18 +9,26 @@ layout, which the parity tests rely on, and a resumed run can continue at any st
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import numpy as np
 import torch
 
 from toolkit.config.schema import Config
+from toolkit.data.manifest import parse_blend, read_manifest
 from toolkit.plan.layout import Layout
 
 
-class _GPT2Vocabulary:
-    """What GPTDataset asks of a tokenizer: the vocabulary size and the end-of-document id."""
+class _Vocabulary:
+    """What GPTDataset asks of a tokenizer: the vocabulary size and the end-of-document id (from
+    the dataset's manifest; the bundled GPT-2 BPE's for a prefix without one)."""
 
-    vocab_size, eod, pad = 50257, 50256, 50256
-    unique_identifiers = {"class": "gpt2-bpe", "vocab_size": 50257}
+    def __init__(self, name: str, vocab_size: int, eod: int):
+        self.vocab_size, self.eod, self.pad = vocab_size, eod, eod
+        self.unique_identifiers = {"class": name, "vocab_size": vocab_size, "eod": eod}
+
+
+_GPT2 = ("gpt2-bpe", 50257, 50256)
 
 
 class SyntheticTokens:
@@ -49,8 +57,15 @@ class SyntheticTokens:
         return {key: value[0] for key, value in self.batch(index, 1).items()}
 
 
-def corpus_dataset(cfg: Config, num_samples: int):
-    """GPTDataset over the prepared corpus (rank 0 builds the sample index, the others read it)."""
+@dataclass
+class Datasets:
+    train: object
+    valid: object | None  # None: no evaluation (train.eval_interval=null)
+
+
+def _corpus_datasets(cfg: Config, train_samples: int, valid_samples: int | None) -> Datasets:
+    """GPTDataset over data.path (a prefix or a weighted blend) or the bundled corpus, split by
+    data.split (rank 0 builds the sample indices, the others read them)."""
     from toolkit.train import mcore_cpu
     from toolkit.train.corpus import CACHE, prepare_corpus
 
@@ -61,26 +76,38 @@ def corpus_dataset(cfg: Config, num_samples: int):
     if not cfg.data.path and torch.distributed.get_rank() == 0:
         prepare_corpus()  # once, on rank 0: the others wait and read the cached files
     torch.distributed.barrier()
-    prefix = cfg.data.path or str(prepare_corpus(progress=False))
+    prefixes, weights = parse_blend(cfg.data.path) if cfg.data.path else ([str(prepare_corpus(progress=False))], None)
+    manifest = read_manifest(prefixes[0])  # the validator checked that every part agrees
+    vocabulary = _Vocabulary(manifest.tokenizer, manifest.vocab_size, manifest.eod) if manifest else _Vocabulary(*_GPT2)
     config = GPTDatasetConfig(
         random_seed=cfg.train.seed,
         sequence_length=cfg.model.seq_length,
-        blend=([prefix], None),
-        split="100,0,0",
-        tokenizer=_GPT2Vocabulary(),
+        blend=(prefixes, weights),
+        split=cfg.data.split,
+        tokenizer=vocabulary,
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=False,
         path_to_cache=str(CACHE / "data" / "index"),
     )
-    train, _, _ = BlendedMegatronDatasetBuilder(GPTDataset, [num_samples, None, None], lambda: True, config).build()
-    return train
+    builder = BlendedMegatronDatasetBuilder(GPTDataset, [train_samples, valid_samples or 0, 0], lambda: True, config)
+    train, valid, _ = builder.build()
+    return Datasets(train, valid if valid_samples else None)
 
 
-def train_dataset(cfg: Config, layout: Layout):
+def build_datasets(cfg: Config, layout: Layout) -> Datasets:
+    """The training samples of the run, and the validation samples one evaluation reads."""
+    valid_samples = cfg.train.eval_iters * layout.global_batch if cfg.train.eval_interval else None
     if cfg.data.name == "synthetic":
-        return SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed)
-    return corpus_dataset(cfg, layout.steps * layout.global_batch)
+        valid = SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed + 1)
+        return Datasets(SyntheticTokens(cfg.model.vocab_size, cfg.model.seq_length, cfg.train.seed), valid)
+    return _corpus_datasets(cfg, layout.steps * layout.global_batch, valid_samples)
+
+
+def eval_batches(dataset, layout: Layout, dp_rank: int, device: torch.device | None = None):
+    """The micro-batches of one evaluation: the first train.eval_iters global batches of the
+    validation samples, in the training order (the same ones at every evaluation)."""
+    return micro_batches(dataset, layout, dp_rank, start_step=0, device=device)
 
 
 _KEYS = ("tokens", "labels", "loss_mask", "position_ids")

@@ -13,7 +13,7 @@ from toolkit.emit.deepspeed import deepspeed_config
 from toolkit.plan.layout import Layout
 from toolkit.train import deepspeed_engine
 from toolkit.train.checkpoint import seed_host_rngs
-from toolkit.train.data import micro_batches, train_dataset
+from toolkit.train.data import build_datasets, eval_batches, micro_batches
 from toolkit.train.loop import Gradients
 
 
@@ -22,8 +22,22 @@ class DataParallelSteps(deepspeed_engine.EngineSteps):
     updates at the accumulation boundary)."""
 
     def begin_at(self, step: int) -> None:
-        rank = torch.distributed.get_rank()
-        self.batches = micro_batches(train_dataset(self.cfg, self.layout), self.layout, dp_rank=rank, start_step=step)
+        self.data = build_datasets(self.cfg, self.layout)
+        self.batches = micro_batches(self.data.train, self.layout, torch.distributed.get_rank(), start_step=step)
+
+    def evaluate(self) -> float:
+        engine, layout = self.engine, self.layout
+        batches = eval_batches(self.data.valid, layout, torch.distributed.get_rank())
+        total = torch.zeros((), dtype=torch.float32, device=engine.device)
+        engine.eval()
+        with torch.no_grad():
+            for _ in range(self.cfg.train.eval_iters * layout.grad_accum):
+                batch = {k: v.to(engine.device) for k, v in next(batches).items()}
+                logits = engine(input_ids=batch["tokens"], position_ids=batch["position_ids"]).logits
+                total += deepspeed_engine.token_loss(logits, batch["labels"], batch["loss_mask"]).float()
+        engine.train()
+        torch.distributed.all_reduce(total)
+        return total.item() / (self.cfg.train.eval_iters * layout.grad_accum * layout.dp)
 
     def forward_backward(self, step: int, poison: bool, beat) -> Gradients:
         engine, layout = self.engine, self.layout

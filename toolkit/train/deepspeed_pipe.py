@@ -16,7 +16,7 @@ from torch import nn
 from toolkit.config.schema import Config
 from toolkit.plan.layout import Layout
 from toolkit.train import deepspeed_engine
-from toolkit.train.data import micro_batches, train_dataset
+from toolkit.train.data import build_datasets, eval_batches, micro_batches
 from toolkit.train.loop import Gradients
 
 
@@ -115,18 +115,28 @@ class PipelineSteps(deepspeed_engine.EngineSteps):
         return steps
 
     def begin_at(self, step: int) -> None:
-        dp_rank = self.engine.grid.get_data_parallel_id()
-        dataset = train_dataset(self.cfg, self.layout)
-        self.batches = _pipe_batches(micro_batches(dataset, self.layout, dp_rank, start_step=step))
+        self.dp_rank = self.engine.grid.get_data_parallel_id()
+        self.data = build_datasets(self.cfg, self.layout)
+        self.batches = _pipe_batches(micro_batches(self.data.train, self.layout, self.dp_rank, start_step=step))
 
-    def forward_backward(self, step: int, poison: bool, beat) -> Gradients:
+    def _replica_mean(self, loss: torch.Tensor) -> float:
+        """The last stage's loss, averaged over data-parallel replicas, on every rank."""
         engine = self.engine
-        self.pipe_loss.poison = poison
-        loss = engine.train_batch(data_iter=self.batches)  # mean over micro-batches, on every stage
-        beat(step)
         total = loss.detach().float().reshape(1).to(engine.device)  # NCCL reduces device tensors
         if engine.is_last_stage():
             torch.distributed.all_reduce(total, group=engine.grid.get_data_parallel_group())
         total = total / self.layout.dp
         torch.distributed.broadcast(total, src=torch.distributed.get_world_size() - 1)  # the last stage's value
-        return Gradients(total.item())
+        return total.item()
+
+    def forward_backward(self, step: int, poison: bool, beat) -> Gradients:
+        self.pipe_loss.poison = poison
+        loss = self.engine.train_batch(data_iter=self.batches)  # mean over micro-batches, on every stage
+        beat(step)
+        return Gradients(self._replica_mean(loss))
+
+    def evaluate(self) -> float:
+        batches = _pipe_batches(eval_batches(self.data.valid, self.layout, self.dp_rank))
+        self.pipe_loss.poison = False
+        losses = [self.engine.eval_batch(data_iter=batches) for _ in range(self.cfg.train.eval_iters)]
+        return self._replica_mean(torch.stack([loss.float().reshape(()) for loss in losses]).mean())

@@ -52,6 +52,10 @@ class BackendSteps(Protocol):
         """Forward and backward over the step's micro-batches; `poison` makes the loss NaN before
         the backward pass (train.fault.nan_at_step); `beat(step)` after each micro-batch."""
 
+    def evaluate(self) -> float:
+        """The mean loss over the validation batches (toolkit.train.data.eval_batches), forward
+        only, the same on every rank."""
+
     def update(self) -> Update:
         """The optimizer step (and the learning-rate schedule's)."""
 
@@ -133,6 +137,9 @@ def train(cfg: Config, layout: Layout, run_dir: Path, steps: BackendSteps, backe
                 continue
             update = steps.update()
             metrics.step(step, grads.loss, steps.lr(), update.grad_norm, not update.applied)
+            if cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or step == layout.steps):
+                with watchdog.suspended():
+                    metrics.evaluated(step, steps.evaluate())
             save_now = schedule.due(step)
             with watchdog.suspended():
                 steps.settle_saves(blocking=save_now)  # one save in flight at a time

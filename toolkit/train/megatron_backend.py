@@ -17,7 +17,7 @@ from toolkit.emit.megatron import megatron_sections
 from toolkit.plan.layout import Layout
 from toolkit.train import checkpoint as ckpt
 from toolkit.train import mcore_cpu
-from toolkit.train.data import micro_batches, train_dataset
+from toolkit.train.data import build_datasets, eval_batches, micro_batches
 from toolkit.train.distributed import end_process_group, init_process_group
 from toolkit.train.loop import Gradients, Update
 from toolkit.train.megatron_configs import build_megatron_configs
@@ -242,9 +242,9 @@ class MegatronSteps:
 
     def begin_at(self, step: int) -> None:
         # The sampler is indexed by step: a resumed run reads exactly the samples it would have read.
-        dataset = train_dataset(self.cfg, self.layout)
+        self.data = build_datasets(self.cfg, self.layout)
         self.iterators = [
-            micro_batches(dataset, self.layout, self.dp_rank, start_step=step) if self.needs_data else None
+            micro_batches(self.data.train, self.layout, self.dp_rank, start_step=step) if self.needs_data else None
             for _ in self.model
         ]
 
@@ -278,6 +278,33 @@ class MegatronSteps:
         total = torch.stack([local.float(), torch.tensor(grads_bad, device=local.device)])  # NCCL: on the GPU
         torch.distributed.all_reduce(total)
         return Gradients(total[0].item() / (layout.dp * layout.cp), None if self.config.fp16 else total[1].item() == 0)
+
+    def evaluate(self) -> float:
+        """Forward only over the validation batches (Megatron-LM's evaluate: the same schedule with
+        forward_only=True, the model in eval mode)."""
+        layout, model = self.layout, self.model
+        iterators = [eval_batches(self.data.valid, layout, self.dp_rank) if self.needs_data else None for _ in model]
+        for chunk in model:
+            chunk.eval()
+        losses = []
+        with torch.no_grad():
+            for _ in range(self.cfg.train.eval_iters):
+                outputs = self.forward_backward_func(
+                    forward_step_func=_forward_step,
+                    data_iterator=iterators if len(model) > 1 else iterators[0],
+                    model=model if len(model) > 1 else model[0],
+                    num_microbatches=layout.grad_accum,
+                    seq_length=layout.seq_length,
+                    micro_batch_size=layout.micro_batch,
+                    forward_only=True,
+                )
+                if self.reports_loss and outputs:
+                    losses += [o["lm loss"] for o in outputs]
+        for chunk in model:
+            chunk.train()
+        local = torch.stack(losses).mean().float() if losses else torch.zeros((), device=self.device)
+        torch.distributed.all_reduce(local)
+        return local.item() / (layout.dp * layout.cp)
 
     def update(self) -> Update:
         updated, grad_norm, _ = self.optimizer.step()

@@ -8,6 +8,7 @@ measured ones.
 from __future__ import annotations
 
 import json
+import math
 import os
 import sys
 import time
@@ -45,7 +46,8 @@ class Metrics:
         self.peak = mfu_peak_flops(cfg)
         self.predicted_step = estimate_step(cfg, layout).step_time
         self.predicted_memory = peak_memory(cfg, layout).total / GIB
-        self.history: list[dict] = []
+        self.history: list[dict] = []  # one record per step
+        self.evaluations: list[dict] = []  # {"step", "val_loss", "val_ppl"} per evaluation
         self._jsonl = self._tb = self._bar = None
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
@@ -55,7 +57,8 @@ class Metrics:
                 tmp = run_dir / ".metrics.jsonl.tmp"
                 tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
                 os.replace(tmp, log)
-                self.history = kept
+                self.history = [r for r in kept if "loss" in r]
+                self.evaluations = [r for r in kept if "val_loss" in r]
             self._jsonl = open(log, "a")
             from torch.utils.tensorboard import SummaryWriter
 
@@ -111,6 +114,21 @@ class Metrics:
             (self._bar.write if self._bar is not None else print)(line)
             sys.stdout.flush()
 
+    def evaluated(self, step: int, val_loss: float) -> None:
+        """A validation loss: its own metrics.jsonl record, TensorBoard val/loss, a console line.
+        The time evaluation took is not charged to the next step."""
+        record = {"step": step, "val_loss": val_loss, "val_ppl": math.exp(min(val_loss, 700))}
+        self.evaluations.append(record)
+        if self.enabled:
+            self._jsonl.write(json.dumps(record) + "\n")
+            self._jsonl.flush()
+            self._tb.add_scalar("val/loss", val_loss, step)
+            self._tb.add_scalar("val/ppl", record["val_ppl"], step)
+            line = f"step {step:>5}/{self.layout.steps} | validation loss {val_loss:.4f} | ppl {record['val_ppl']:.4g}"
+            (self._bar.write if self._bar is not None else print)(line)
+            sys.stdout.flush()
+        self._last = time.perf_counter()
+
     def close(self, run_dir: Path, complete: bool = True) -> list[float]:
         """Flush everything; result.json only for a run that completed (it marks success).
         Returns the loss curve (every rank keeps it)."""
@@ -127,6 +145,8 @@ class Metrics:
             "steps": len(self.history),
             "losses": losses,
             "final_loss": self.history[-1]["loss"] if self.history else None,
+            "val_losses": {r["step"]: r["val_loss"] for r in self.evaluations},
+            "final_val_loss": self.evaluations[-1]["val_loss"] if self.evaluations else None,
             "mean_tokens_per_s": sum(r["tokens_per_s"] for r in self.history[1:]) / max(1, len(self.history) - 1),
             # which attempt of a torchrun-restarted job finished, and where it started from
             "restarts": restart_count(),
