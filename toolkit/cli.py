@@ -151,7 +151,9 @@ def _train(cfg, opts) -> int:
 def _data_prepare(cfg, opts) -> int:
     from toolkit.data.prepare import prepare
     from toolkit.data.sources import BadInput
+    from toolkit.train.trainer import quiet_upstream_notices
 
+    quiet_upstream_notices()
     try:
         manifest, throughput = prepare(
             [Path(p) for p in opts.inputs],

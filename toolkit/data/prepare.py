@@ -129,7 +129,6 @@ def write_dataset(
     overwrite: bool = False,
 ) -> tuple[Manifest, Throughput]:
     """Tokenize `documents` into OUTPUT.{bin,idx,tokenizer/,manifest.json}, atomically."""
-    import torch
 
     from toolkit.train import mcore_cpu
 
@@ -157,7 +156,7 @@ def write_dataset(
             for chunk in _tokenized(tokenizer_spec, documents, workers):
                 for ids in chunk:
                     ids.append(eod)
-                    builder.add_document(torch.tensor(ids, dtype=torch.int64), [len(ids)])
+                    builder.add_document(np.asarray(ids, dtype=np.int64), [len(ids)])
                     tokens += len(ids)
                 count += len(chunk)
                 bar.update(len(chunk))

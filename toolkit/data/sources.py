@@ -49,7 +49,7 @@ def input_format(path: Path, forced: str | None) -> str:
     return fmt
 
 
-def _sha256(path: Path) -> str:
+def sha256_of(path: Path) -> str:
     digest = hashlib.sha256()
     with open(path, "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
@@ -133,7 +133,7 @@ def read_documents(
                 continue
             count += 1
             yield text
-        sha = _sha256(path) if kind == "parquet" else digest.hexdigest()
+        sha = sha256_of(path) if kind == "parquet" else digest.hexdigest()
         sources.append(SourceFile(str(path.resolve()), path.stat().st_size, sha, count))
 
 

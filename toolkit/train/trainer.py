@@ -36,6 +36,7 @@ _NOISE = (
     "all_gather_into_tensor` is deprecated",
     "full scope is deprecated",
     "MCore's async save is deprecated",
+    "Could not determine rank from torch.distributed",  # megatron-core's dataset logging, one process
 )
 
 
