@@ -22,7 +22,7 @@ FLAGS = {
     for line in (Path(__file__).parent / "data" / "megatron_lm_flags.txt").read_text().split()
     if line.startswith("--")
 }
-H100 = ("cluster=8xh100", "train.global_batch=256", "data=synthetic")
+ONE_NODE = ("cluster=8xh100", "train.global_batch=256", "data=synthetic")
 
 # model overrides -> the llama3 scaling they must carry (None: plain RoPE)
 CASES = {
@@ -49,7 +49,7 @@ def transformers_inv_freq(m) -> torch.Tensor:
 @pytest.mark.parametrize("case", CASES)
 def test_megatron_rope_frequencies_equal_transformers(compose, case):
     overrides, factor = CASES[case]
-    cfg = compose(*overrides, *H100)
+    cfg = compose(*overrides, *ONE_NODE)
     assert validate(cfg).ok, validate(cfg)
     ours = megatron_inv_freq(cfg)
     theirs = transformers_inv_freq(cfg.model)
@@ -62,7 +62,7 @@ def test_megatron_rope_frequencies_equal_transformers(compose, case):
         assert attention_factor == 1.0  # llama3 leaves cos/sin unscaled: the frequencies are all of it
         # ... and scaling changed them: the lowest frequency is slowed by exactly the factor, the
         # highest is kept (wavelength far below original_max_position_embeddings / high_freq_factor).
-        plain = transformers_inv_freq(compose(*overrides, *H100, "model.rope_scaling.type=none").model)
+        plain = transformers_inv_freq(compose(*overrides, *ONE_NODE, "model.rope_scaling.type=none").model)
         assert not torch.allclose(ours, plain)
         assert ours[-1] == pytest.approx(plain[-1].item() / factor, rel=1e-6)
         assert ours[0] == pytest.approx(plain[0].item(), rel=1e-6)
@@ -71,7 +71,7 @@ def test_megatron_rope_frequencies_equal_transformers(compose, case):
 @pytest.mark.parametrize("case", CASES)
 def test_megatron_args_carry_rope_flags_megatron_lm_defines(compose, case):
     overrides, factor = CASES[case]
-    cfg = compose(*overrides, *H100)
+    cfg = compose(*overrides, *ONE_NODE)
     layout = resolve(cfg)
     args = megatron_args(cfg, layout, megatron_sections(cfg, layout))
     flags = {a.split()[0]: a.split()[1:] for a in args}
@@ -153,7 +153,7 @@ def test_launch_refuses_megatron_lm_entry_when_it_would_drop_the_factor(compose)
     launch.sh runs it for Llama 3.1 (factor 8) and refuses it for Llama 3.2 1B (factor 32)."""
 
     def megatron_lm_branch(*overrides):
-        cfg = compose(*overrides, *H100)
+        cfg = compose(*overrides, *ONE_NODE)
         text = launch_script(cfg, resolve(cfg))
         return text.split("megatron-lm ]]; then\n", 1)[1].split("\nfi\n", 1)[0]
 
