@@ -35,10 +35,10 @@ def fake_rank(rank: int, world: int, tp: int, pp: int, vpp: int):
         dist.destroy_process_group()
 
 
-def megatron_rank_params(
-    cfg, tp: int, pp: int, vpp: int, stage: int, first: int | None = None, last: int | None = None
-) -> dict:
-    """{"total": n, "embedding": n, "output": n} for tensor rank 0 of pipeline `stage`."""
+@contextmanager
+def meta_chunks(cfg, tp: int = 1, pp: int = 1, vpp: int = 1, stage: int = 0, first=None, last=None):
+    """The GPTModel chunks of tensor rank 0 of pipeline `stage`, parameters on the meta device
+    (buffers that megatron-core computes on the CPU, such as RoPE's inv_freq, hold real values)."""
     from toolkit.train.megatron_model import build_model_chunks
 
     cfg = dataclasses.replace(
@@ -60,7 +60,14 @@ def megatron_rank_params(
     sections["transformer"].update(fp8=None, transformer_impl="local", init_model_with_meta_device=True)
     # Megatron orders ranks tp-fastest: global rank = stage * tp + tensor rank (dp=1, cp=1).
     with fake_rank(stage * tp, tp * pp, tp, pp, vpp), torch.device("meta"):
-        chunks = build_model_chunks(sections)
+        yield build_model_chunks(sections)
+
+
+def megatron_rank_params(
+    cfg, tp: int, pp: int, vpp: int, stage: int, first: int | None = None, last: int | None = None
+) -> dict:
+    """{"total": n, "embedding": n, "output": n} for tensor rank 0 of pipeline `stage`."""
+    with meta_chunks(cfg, tp, pp, vpp, stage, first, last) as chunks:
         counts = {"total": 0, "embedding": 0, "output": 0}
         for chunk in chunks:
             for name, p in chunk.named_parameters():

@@ -9,6 +9,8 @@ from toolkit.plan.validate import ValidationError, check, validate
 
 H100 = "cluster=8xh100"
 DS = "backend=deepspeed"
+# llama3 RoPE scaling on the tiny model, with a context longer than Llama 3.1's pretraining 8192
+LLAMA3 = ["model.rope_scaling.type=llama3", "model.max_position_embeddings=16384"]
 
 # rule, overrides it rejects, neighbouring overrides it accepts, a field the message must name
 ERROR_CASES = [
@@ -187,6 +189,38 @@ ERROR_CASES = [
         ["optim.lr_scaling=sqrt", "optim.reference_global_batch=8"],
         "optim.reference_global_batch",
     ),
+    ("rope_scaling", [*LLAMA3, "model.rope_scaling.factor=0.5"], [*LLAMA3, "model.rope_scaling.factor=2"], "factor"),
+    (
+        "rope_scaling",
+        [*LLAMA3, DS, "model.rope_scaling.high_freq_factor=1"],
+        [*LLAMA3, DS, "model.rope_scaling.high_freq_factor=2"],
+        "model.rope_scaling.high_freq_factor",
+    ),
+    (
+        "rope_scaling_context",
+        ["model.rope_scaling.type=llama3"],
+        ["model.rope_scaling.type=llama3", "model.max_position_embeddings=8193"],
+        "model.rope_scaling.original_max_position_embeddings",
+    ),
+    (
+        "rope_scaling_position",
+        [*LLAMA3, "model.position_embedding=learned_absolute"],
+        [*LLAMA3, "model.position_embedding=rope"],
+        "model.position_embedding",
+    ),
+    (
+        "rope_scaling_backend",
+        [*LLAMA3, "model.rope_scaling.low_freq_factor=2"],
+        [*LLAMA3, "model.rope_scaling.low_freq_factor=2", DS],
+        "model.rope_scaling.low_freq_factor",
+    ),
+    (
+        "rope_scaling_backend",
+        [*LLAMA3, "model.rope_scaling.original_max_position_embeddings=4096"],
+        [*LLAMA3, "model.rope_scaling.original_max_position_embeddings=8192"],
+        "model.rope_scaling.original_max_position_embeddings",
+    ),
+    ("rotary_base_integer", ["model.rotary_base=10000.5"], ["model.rotary_base=10000.5", DS], "model.rotary_base"),
     ("head_dim", ["model.hidden_size=66"], ["model.hidden_size=66", "model.head_dim=16"], "model.hidden_size"),
     ("kv_heads", ["model.num_kv_heads=3"], ["model.num_kv_heads=2"], "model.num_kv_heads"),
     ("range", ["parallel.tp=0"], ["parallel.tp=1"], "parallel.tp"),

@@ -47,6 +47,13 @@ class PositionEmbedding(StrEnum):
     learned_absolute = "learned_absolute"
 
 
+class RopeScalingType(StrEnum):
+    """How RoPE's frequencies are stretched beyond the pretraining context."""
+
+    none = "none"  # plain RoPE
+    llama3 = "llama3"  # Llama 3.1's frequency-dependent interpolation ("rope_type": "llama3" in HF)
+
+
 class Offload(StrEnum):
     """Where ZeRO offloads optimizer states or parameters."""
 
@@ -164,6 +171,24 @@ def plain(value: Any) -> Any:
 
 
 @dataclass
+class RopeScalingConfig:
+    """Long-context RoPE scaling, as Hugging Face's `rope_parameters` / config.json `rope_scaling`.
+
+    llama3 (Meta's Llama 3.1 reference code, `apply_scaling`; transformers
+    `modeling_rope_utils._compute_llama3_parameters`): with wavelength w = 2*pi/inv_freq and
+    L = original_max_position_embeddings, frequencies with w < L/high_freq_factor stay, those with
+    w > L/low_freq_factor are divided by `factor`, and those between are interpolated smoothly.
+    The numbers are read only when type is llama3; they default to Llama 3.1's values.
+    """
+
+    type: RopeScalingType = RopeScalingType.none
+    factor: float = 8.0  # how much the low frequencies are slowed down
+    low_freq_factor: float = 1.0  # wavelengths above L / low_freq_factor are divided by factor
+    high_freq_factor: float = 4.0  # wavelengths below L / high_freq_factor are kept
+    original_max_position_embeddings: int = 8192  # L: the context the model was pretrained at
+
+
+@dataclass
 class ModelConfig:
     """A decoder-only transformer, described once for every consumer (planner, Megatron, HF)."""
 
@@ -185,7 +210,8 @@ class ModelConfig:
     norm_epsilon: float = 1e-5
     activation: Activation = Activation.swiglu
     position_embedding: PositionEmbedding = PositionEmbedding.rope
-    rotary_base: float = 10000.0
+    rotary_base: float = 10000.0  # RoPE's theta (HF rope_theta)
+    rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     tie_embeddings: bool = False
     add_bias_linear: bool = False
     add_qkv_bias: bool = False

@@ -11,6 +11,10 @@ from toolkit.plan.backends import backend_of
 from toolkit.plan.layout import Layout
 
 RDZV_PORT = 29500
+# Megatron-LM's pretrain_gpt.py (core_r0.19.0: argument_utils.gpt_config_from_args, and
+# gpt_builders.gpt_builder) passes --use-rope-scaling on but not --rope-scaling-factor, so its model
+# scales by GPTModelConfig's default factor whatever the flag says.
+MEGATRON_LM_ROPE_SCALING_FACTOR = 8.0
 
 
 def _entry(cfg: Config) -> str:
@@ -20,13 +24,22 @@ def _entry(cfg: Config) -> str:
         'ENTRY=(-m toolkit.train --config-dir "$RUN_DIR" --config-name config)',
     ]
     if backend_of(cfg).megatron_lm_entry:
-        lines += [
-            'if [[ "${PARAKIT_ENTRY:-parakit}" == megatron-lm ]]; then',
-            "  # Megatron-LM checkout: MEGATRON_LM_DIR=/path/to/Megatron-LM",
-            "  # shellcheck disable=SC2046  # one flag and its value per line: split on whitespace",
-            '  ENTRY=("${MEGATRON_LM_DIR:?set MEGATRON_LM_DIR}/pretrain_gpt.py" $(cat "$RUN_DIR/megatron_args.txt"))',
-            "fi",
-        ]
+        rs = cfg.model.rope_scaling
+        if rs.type == "llama3" and rs.factor != MEGATRON_LM_ROPE_SCALING_FACTOR:
+            run_megatron_lm = [
+                f"  echo \"model.rope_scaling.factor={rs.factor:g}: Megatron-LM's pretrain_gpt.py ignores "
+                f"--rope-scaling-factor and scales RoPE by {MEGATRON_LM_ROPE_SCALING_FACTOR:g}; "
+                "run parakit's trainer (unset PARAKIT_ENTRY)\" >&2",
+                "  exit 2",
+            ]
+        else:
+            run_megatron_lm = [
+                "  # Megatron-LM checkout: MEGATRON_LM_DIR=/path/to/Megatron-LM",
+                "  # shellcheck disable=SC2046  # one flag and its value per line: split on whitespace",
+                '  ENTRY=("${MEGATRON_LM_DIR:?set MEGATRON_LM_DIR}/pretrain_gpt.py" '
+                '$(cat "$RUN_DIR/megatron_args.txt"))',
+            ]
+        lines += ['if [[ "${PARAKIT_ENTRY:-parakit}" == megatron-lm ]]; then', *run_megatron_lm, "fi"]
     return "\n".join(lines)
 
 

@@ -146,6 +146,10 @@ def _gpt_model(cfg: Config, layout: Layout) -> dict:
         "max_sequence_length": m.max_position_embeddings,
         "position_embedding_type": m.position_embedding,
         "rotary_base": m.rotary_base,
+        # llama3 scaling: megatron-core takes the factor; the validator (rope_scaling_backend) holds the
+        # other parameters at the values megatron-core applies (toolkit.plan.backends).
+        "rope_scaling": m.rope_scaling.type == "llama3",
+        "rope_scaling_factor": m.rope_scaling.factor if m.rope_scaling.type == "llama3" else None,
         "share_embeddings_and_output_weights": m.tie_embeddings,
         "parallel_output": True,
     }

@@ -39,6 +39,8 @@ def megatron_args(cfg: Config, layout: Layout, sections: dict) -> list[str]:
         args += ["--group-query-attention", f"--num-query-groups {tr['num_query_groups']}"]
     if gpt["position_embedding_type"] == "rope":
         args.append(f"--rotary-base {int(gpt['rotary_base'])}")
+    if gpt["rope_scaling"]:  # Llama 3.1's scaling; pretrain_gpt.py passes both to GPTModel
+        args += ["--use-rope-scaling", f"--rope-scaling-factor {gpt['rope_scaling_factor']}"]
     if tr["gated_linear_unit"]:
         args.append("--swiglu")
     if tr["window_size"]:

@@ -5,6 +5,22 @@ from __future__ import annotations
 from toolkit.config.schema import ModelConfig
 
 
+def rope_parameters(m: ModelConfig) -> dict:
+    """transformers' `rope_parameters` (v5; config.json's rope_theta + rope_scaling in v4): the keys
+    `modeling_rope_utils._validate_llama3_rope_parameters` requires for llama3."""
+    params = {"rope_type": "default", "rope_theta": m.rotary_base}
+    rs = m.rope_scaling
+    if rs.type == "llama3":
+        params.update(
+            rope_type="llama3",
+            factor=rs.factor,
+            low_freq_factor=rs.low_freq_factor,
+            high_freq_factor=rs.high_freq_factor,
+            original_max_position_embeddings=rs.original_max_position_embeddings,
+        )
+    return params
+
+
 def hf_config(m: ModelConfig):
     """A transformers PretrainedConfig: LlamaConfig for the llama family, GPT2Config for gpt2."""
     if m.family == "gpt2":
@@ -35,7 +51,7 @@ def hf_config(m: ModelConfig):
         head_dim=m.head_dim or m.hidden_size // m.num_attention_heads,
         max_position_embeddings=m.max_position_embeddings,
         rms_norm_eps=m.norm_epsilon,
-        rope_parameters={"rope_type": "default", "rope_theta": m.rotary_base},
+        rope_parameters=rope_parameters(m),
         attention_dropout=m.attention_dropout,
         initializer_range=m.init_method_std,
         tie_word_embeddings=m.tie_embeddings,
@@ -75,6 +91,12 @@ def check_hf_matches(m: ModelConfig, path: str) -> None:
         for f in fields
         if hasattr(ours, f) and getattr(theirs, f, None) != getattr(ours, f)
     }
+    # RoPE base and scaling (transformers 5 reads a v4 config.json's rope_theta + rope_scaling into
+    # rope_parameters): a different rope is a different model, with the same weights' shapes.
+    theirs_rope = getattr(theirs, "rope_parameters", None) or {}
+    for key, value in (getattr(ours, "rope_parameters", None) or {}).items():
+        if theirs_rope.get(key) != value:
+            diff[f"rope_parameters.{key}"] = (theirs_rope.get(key), value)
     if diff or type(theirs) is not type(ours):
         detail = (
             ", ".join(f"{f}: {a} in {path} vs {b} in model" for f, (a, b) in diff.items()) or f"{type(theirs).__name__}"

@@ -54,6 +54,9 @@ class Backend:
     shards_grads_from_stage: int | None  # ZeRO stage from which gradients are sharded over dp
     shards_params_from_stage: int | None  # ... and parameters
     nan_skip_needs_overflow_check: bool  # a NaN step is dropped only by an optimizer that checks for overflow
+    # llama3 RoPE scaling parameters (model.rope_scaling.*) the backend cannot set, with the only
+    # value it applies; empty: every parameter is honoured.
+    rope_scaling_fixed: tuple[tuple[str, float], ...]
     # Performance model.
     elementwise_traffic: float  # bytes moved by element-wise kernels, relative to fused kernels
     grad_reduce: GradReduce
@@ -97,6 +100,13 @@ MEGATRON = Backend(
     shards_grads_from_stage=None,
     shards_params_from_stage=None,
     nan_skip_needs_overflow_check=False,  # parakit checks the gradient buffers itself
+    # megatron-core 0.19 takes only rope_scaling + rope_scaling_factor: RotaryEmbedding._apply_scaling
+    # keeps the other llama3 parameters at these defaults (and so does Megatron-LM's --use-rope-scaling).
+    rope_scaling_fixed=(
+        ("low_freq_factor", 1.0),
+        ("high_freq_factor", 4.0),
+        ("original_max_position_embeddings", 8192),
+    ),
     elementwise_traffic=1.0,  # fused kernels (Transformer Engine)
     grad_reduce=GradReduce.OVERLAPPED_BUCKETS,
     checkpoint_format="megatron-core dist_checkpointing, fully reshardable (loads at any dp/tp/pp)",
@@ -127,6 +137,7 @@ DEEPSPEED = Backend(
     shards_grads_from_stage=1,
     shards_params_from_stage=3,
     nan_skip_needs_overflow_check=True,
+    rope_scaling_fixed=(),  # transformers reads every llama3 parameter from rope_parameters
     # Eager PyTorch launches each element-wise op separately and moves about 2.5x the bytes
     # (e.g. RMSNorm as pow, mean, rsqrt, mul, mul).
     elementwise_traffic=2.5,

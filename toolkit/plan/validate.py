@@ -234,6 +234,51 @@ def _model(cfg: Config) -> Iterator[Violation]:
         )
 
 
+def _rope(cfg: Config) -> Iterator[Violation]:
+    """llama3 RoPE scaling's parameters (transformers `_validate_llama3_rope_parameters` warns about the
+    same bounds; here they are errors, since a run with them trains a different model than intended)."""
+    m, rs = cfg.model, cfg.model.rope_scaling
+    if rs.type == "none":
+        return
+    if m.position_embedding != "rope":
+        yield _err(
+            "rope_scaling_position",
+            {"model.rope_scaling.type": rs.type, "model.position_embedding": m.position_embedding},
+            "RoPE scaling stretches rotary position embeddings, which this model does not use",
+            "set model.rope_scaling.type=none, or model.position_embedding=rope",
+        )
+    if rs.factor < 1:
+        yield _err(
+            "rope_scaling",
+            {"model.rope_scaling.factor": rs.factor},
+            "llama3 scaling slows the low frequencies down by the factor, which must be >= 1",
+            "set model.rope_scaling.factor>=1 (8 for Llama 3.1, 32 for Llama 3.2 1B)",
+        )
+    if not 0 < rs.low_freq_factor < rs.high_freq_factor:
+        yield _err(
+            "rope_scaling",
+            {
+                "model.rope_scaling.low_freq_factor": rs.low_freq_factor,
+                "model.rope_scaling.high_freq_factor": rs.high_freq_factor,
+            },
+            "the interpolated band lies between wavelengths L/high_freq_factor and L/low_freq_factor: "
+            "it needs 0 < low_freq_factor < high_freq_factor",
+            "set model.rope_scaling.low_freq_factor=1.0 and model.rope_scaling.high_freq_factor=4.0 (Llama 3.1)",
+        )
+    if not 0 < rs.original_max_position_embeddings < m.max_position_embeddings:
+        yield _err(
+            "rope_scaling_context",
+            {
+                "model.rope_scaling.original_max_position_embeddings": rs.original_max_position_embeddings,
+                "model.max_position_embeddings": m.max_position_embeddings,
+            },
+            "scaling extends the pretraining context (original_max_position_embeddings) to a longer "
+            "max_position_embeddings",
+            "set model.rope_scaling.original_max_position_embeddings to the context the model was pretrained at "
+            f"(below {m.max_position_embeddings}; 8192 for Llama 3.1), or model.rope_scaling.type=none",
+        )
+
+
 # ---------------------------------------------------------------- parallel layout
 def _parallel(cfg: Config) -> Iterator[Violation]:
     m, p, c = cfg.model, cfg.parallel, cfg.cluster
@@ -529,6 +574,30 @@ def _backend(cfg: Config) -> Iterator[Violation]:
             {"parallel.sequence_parallel": True, "cluster.device": "cpu"},
             f"the {b} backend's sequence-parallel norms come from Transformer Engine or apex, which need CUDA",
             "set parallel.sequence_parallel=false on CPU",
+        )
+    fixed = {k: v for k, v in be.rope_scaling_fixed if getattr(m.rope_scaling, k) != v}
+    if m.rope_scaling.type != "none" and fixed:
+        yield _err(
+            "rope_scaling_backend",
+            {**{f"model.rope_scaling.{k}": getattr(m.rope_scaling, k) for k in fixed}, "backend.name": b},
+            f"the {b} backend sets only the llama3 scaling factor; it applies "
+            + ", ".join(f"{k}={v:g}" for k, v in be.rope_scaling_fixed),
+            "set "
+            + " and ".join(f"model.rope_scaling.{k}={v:g}" for k, v in fixed.items())
+            + f", or {_others(lambda o: not o.rope_scaling_fixed)}",
+        )
+    if (
+        be.megatron_lm_entry
+        and m.position_embedding == "rope"
+        and math.isfinite(m.rotary_base)
+        and m.rotary_base != int(m.rotary_base)
+    ):
+        # megatron_args.txt must say what megatron.yaml says, and Megatron-LM parses --rotary-base as int.
+        yield _err(
+            "rotary_base_integer",
+            {"model.rotary_base": m.rotary_base, "backend.name": b},
+            f"the {b} backend's Megatron-LM command line takes an integer RoPE base (--rotary-base)",
+            f"set model.rotary_base={round(m.rotary_base)}, or {_others(lambda o: not o.megatron_lm_entry)}",
         )
     if m.hf_path and not be.hf_weights:
         yield _err(
@@ -834,6 +903,7 @@ def _data(cfg: Config) -> Iterator[Violation]:
 
 _ERROR_RULES: tuple[Callable[[Config], Iterator[Violation]], ...] = (
     _model,
+    _rope,
     _parallel,
     _batch,
     _backend,

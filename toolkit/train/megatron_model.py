@@ -57,6 +57,8 @@ def build_model_chunks(sections: dict, transformer_config=None, spec=None) -> li
                 share_embeddings_and_output_weights=gpt["share_embeddings_and_output_weights"],
                 position_embedding_type=gpt["position_embedding_type"],
                 rotary_base=int(gpt["rotary_base"]),
+                rope_scaling=gpt["rope_scaling"],
+                rope_scaling_factor=gpt["rope_scaling_factor"],  # None (unused) without scaling
                 vp_stage=stage,
             )
         )
