@@ -25,3 +25,19 @@ def no_processes_left_behind(tmp_path):
     time.sleep(1)
     left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
     assert not left, f"training processes left behind: {left}"
+
+
+@pytest.fixture(scope="session")
+def corpus_jsonl(tmp_path_factory):
+    """The bundled corpus as a 4 MB jsonl file, one chapter per line."""
+    from data_corpus import write_corpus_jsonl
+
+    return write_corpus_jsonl(tmp_path_factory.mktemp("corpus") / "kjv.jsonl")
+
+
+@pytest.fixture(scope="session")
+def big_tokenizer(tmp_path_factory, corpus_jsonl):
+    """A BPE trained on it, vocabulary 76,000, most ordinary ids above 65,535."""
+    from data_corpus import train_big_tokenizer
+
+    return train_big_tokenizer(corpus_jsonl, tmp_path_factory.mktemp("tokenizer") / "bpe76k")

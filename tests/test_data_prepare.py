@@ -10,7 +10,6 @@ import json
 
 import numpy as np
 import pytest
-from data_corpus import train_big_tokenizer, write_corpus_jsonl
 from transformers import AutoTokenizer
 
 from toolkit.cli import main
@@ -19,16 +18,6 @@ from toolkit.train.mcore_cpu import import_shims
 
 import_shims()
 from megatron.core.datasets.indexed_dataset import IndexedDataset  # noqa: E402
-
-
-@pytest.fixture(scope="session")
-def corpus_jsonl(tmp_path_factory):
-    return write_corpus_jsonl(tmp_path_factory.mktemp("corpus") / "kjv.jsonl")
-
-
-@pytest.fixture(scope="session")
-def big_tokenizer(tmp_path_factory, corpus_jsonl):
-    return train_big_tokenizer(corpus_jsonl, tmp_path_factory.mktemp("tokenizer") / "bpe76k")
 
 
 def prepare(*args) -> int:

@@ -1,0 +1,80 @@
+"""Training on your own data, end to end: a 4 MB jsonl corpus, a tokenizer that is not GPT-2 with
+76,000 tokens, prepared by `parakit data prepare`, trained on both backends with a validation loss
+that falls, and resumed after a rank dies (torchrun restarts the job from the newest checkpoint).
+
+One launch per backend: rank 1 dies at the start of step 12, torchrun restarts the ranks, they
+resume from the step-8 checkpoint and finish. Both attempts print every step's loss, so steps
+9-11 are seen twice: the same data order and random state give the same losses (printed to 4
+decimals; a shifted sample order or a lost optimizer state changes them by 1e-2 or more).
+"""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+from training_runs import Trained, run
+
+from toolkit.cli import main
+
+pytestmark = pytest.mark.slow
+
+STEPS, EVAL_EVERY, SAVE_EVERY, KILL_AT = 16, 4, 8, 12
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, corpus_jsonl, big_tokenizer):
+    prefix = tmp_path_factory.mktemp("prepared") / "kjv76k"
+    args = ["data", "prepare", str(corpus_jsonl), "--output", str(prefix), "--tokenizer", str(big_tokenizer)]
+    assert main([*args, "--workers", "2"]) == 0
+    return prefix
+
+
+def common(prefix) -> list[str]:
+    return [
+        "cluster.gpus_per_node=2",
+        f"data.path={prefix}",
+        "model.vocab_size=76000",
+        "model.seq_length=64",
+        f"train.steps={STEPS}",
+        "train.global_batch=8",
+        "train.micro_batch=2",
+        f"train.eval_interval={EVAL_EVERY}",
+        "train.eval_iters=2",
+        "train.log_interval=1",
+        "optim.lr=3e-3",
+        "optim.warmup_steps=2",
+        f"checkpoint.interval_steps={SAVE_EVERY}",
+        "train.fault.kill_rank=1",
+        f"train.fault.kill_at_step={KILL_AT}",
+        "train.fault.max_restarts=1",
+    ]
+
+
+BACKENDS = {"megatron": ["parallel.tp=2"], "deepspeed": ["backend=deepspeed", "zero=2"]}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_own_corpus_trains_with_falling_validation_loss_and_resumes(tmp_path, prepared, backend):
+    result = run(tmp_path, backend, *common(prepared), *BACKENDS[backend])
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    trained = Trained(result.run_dir)
+    assert "data: corpus (" in result.stdout and "tokenizer " in result.stdout and "vocab 76,000" in result.stdout
+
+    # resumed once, from the step-8 checkpoint, after the kill at step 12
+    assert trained.result["restarts"] == 1 and trained.result["resumed_step"] == SAVE_EVERY
+    printed = {}
+    for step, loss in re.findall(r"^step +(\d+)/\d+ \| loss ([\d.]+)", result.stdout, re.M):
+        printed.setdefault(int(step), []).append(float(loss))
+    for step in range(SAVE_EVERY + 1, KILL_AT):
+        first, again = printed[step]
+        assert abs(first - again) <= 1e-4, f"step {step}: {first} before the kill, {again} after resuming"
+
+    # the validation loss: every EVAL_EVERY steps, falling, in metrics.jsonl and result.json
+    evaluations = trained.evaluations
+    assert [r["step"] for r in evaluations] == list(range(EVAL_EVERY, STEPS + 1, EVAL_EVERY))
+    val = [r["val_loss"] for r in evaluations]
+    assert all(later < earlier for earlier, later in zip(val, val[1:])), val
+    assert val[0] < 11.3 and val[-1] < val[0] - 0.7, val  # from ln(76000) = 11.24: it learns
+    assert trained.result["final_val_loss"] == val[-1]
+    assert [r["step"] for r in trained.records] == list(range(1, STEPS + 1))
