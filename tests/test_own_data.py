@@ -13,6 +13,7 @@ from __future__ import annotations
 import re
 
 import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from training_runs import Trained, run
 
 from toolkit.cli import main
@@ -77,4 +78,9 @@ def test_own_corpus_trains_with_falling_validation_loss_and_resumes(tmp_path, pr
     assert all(later < earlier for earlier, later in zip(val, val[1:])), val
     assert val[0] < 11.3 and val[-1] < val[0] - 0.7, val  # from ln(76000) = 11.24: it learns
     assert trained.result["final_val_loss"] == val[-1]
+    board = EventAccumulator(str(result.run_dir / "tensorboard"))
+    board.Reload()
+    logged = {e.step: e.value for e in board.Scalars("val/loss")}
+    assert sorted(logged) == [r["step"] for r in evaluations]
+    assert all(abs(logged[r["step"]] - r["val_loss"]) < 1e-5 for r in evaluations)
     assert [r["step"] for r in trained.records] == list(range(1, STEPS + 1))

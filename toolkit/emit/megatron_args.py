@@ -7,6 +7,7 @@ Built from the same sections as megatron.yaml, so the two cannot disagree.
 from __future__ import annotations
 
 from toolkit.config.schema import Config
+from toolkit.data.manifest import parse_blend, read_manifest, tokenizer_dir
 from toolkit.plan.layout import Layout
 
 
@@ -51,12 +52,15 @@ def megatron_args(cfg: Config, layout: Layout, sections: dict) -> list[str]:
         args.append("--add-qkv-bias")
     if not gpt["share_embeddings_and_output_weights"]:
         args.append("--untie-embeddings-and-output-weights")
-    # Megatron-LM pads the tokenizer's vocabulary itself: pass the unpadded size.
-    args += [
-        f"--make-vocab-size-divisible-by {max(1, m.make_vocab_size_divisible_by)}",
-        "--tokenizer-type NullTokenizer",
-        f"--vocab-size {m.vocab_size}",
-    ]
+    # Megatron-LM pads the tokenizer's vocabulary itself: pass the unpadded size. A prepared
+    # dataset carries its tokenizer's files (PREFIX.tokenizer): Megatron-LM reads them, so that
+    # its end-of-document id is the one the documents end with.
+    args.append(f"--make-vocab-size-divisible-by {max(1, m.make_vocab_size_divisible_by)}")
+    prefix = parse_blend(cfg.data.path)[0][0] if cfg.data.name == "corpus" and cfg.data.path else None
+    if prefix and read_manifest(prefix):
+        args += ["--tokenizer-type HuggingFaceTokenizer", f"--tokenizer-model {tokenizer_dir(prefix)}"]
+    else:
+        args += ["--tokenizer-type NullTokenizer", f"--vocab-size {m.vocab_size}"]
 
     # parallel layout
     args += [f"--tensor-model-parallel-size {layout.tp}", f"--pipeline-model-parallel-size {layout.pp}"]
@@ -133,5 +137,9 @@ def megatron_args(cfg: Config, layout: Layout, sections: dict) -> list[str]:
         args += [f"--data-path {cfg.data.path}", f"--split {cfg.data.split}"]
     else:
         args.append("--mock-data")
+    if cfg.train.eval_interval:
+        args += [f"--eval-interval {cfg.train.eval_interval}", f"--eval-iters {cfg.train.eval_iters}"]
+    else:
+        args.append("--eval-iters 0")  # Megatron-LM would otherwise evaluate every 1000 steps
     args += [f"--seed {cfg.train.seed}", f"--log-interval {cfg.train.log_interval}"]
     return args

@@ -1,0 +1,96 @@
+"""data.path, data.split and train.eval_* as the validator, the summary and Megatron-LM's
+arguments read them. Prefixes here are stand-ins (empty .bin/.idx and a manifest): the rules
+read only the manifest and check that the files exist."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from toolkit.data.manifest import Manifest, manifest_path, parse_blend
+from toolkit.emit.files import render
+from toolkit.plan.layout import resolve
+from toolkit.plan.validate import validate
+
+FLAGS = {
+    line
+    for line in (Path(__file__).parent / "data" / "megatron_lm_flags.txt").read_text().split()
+    if line.startswith("--")
+}
+
+
+def fake_prefix(directory: Path, name: str, tokenizer: str = "/tok/a", vocab: int = 76_000) -> str:
+    prefix = directory / name
+    for suffix in (".bin", ".idx"):
+        Path(f"{prefix}{suffix}").touch()
+    Manifest(tokenizer, "PreTrainedTokenizerFast", vocab, 0, "int32", 10, 100).write(manifest_path(prefix))
+    return str(prefix)
+
+
+def rules(cfg) -> dict[str, str]:
+    return {v.rule: str(v) for v in validate(cfg).errors}
+
+
+@pytest.fixture
+def prefixes(tmp_path):
+    return {
+        "a": fake_prefix(tmp_path, "a"),
+        "b": fake_prefix(tmp_path, "b"),
+        "other": fake_prefix(tmp_path, "other", tokenizer="/tok/b", vocab=32_000),
+        "bare": str(tmp_path / "bare"),  # files but no manifest: Megatron-LM's own preprocessing
+        "missing": str(tmp_path / "missing"),
+    }
+
+
+def test_rules_reject_and_accept_the_neighbour(compose, prefixes):
+    for suffix in (".bin", ".idx"):
+        Path(prefixes["bare"] + suffix).touch()
+    a, b, other = prefixes["a"], prefixes["b"], prefixes["other"]
+    cases = [  # rule, bad overrides, good neighbour, text of the message
+        ("data_path", [f"data.path={prefixes['missing']}"], [f"data.path={a}"], "parakit data prepare"),
+        ("data_path", [f"data.path='0.5 {a} {b}'"], [f"data.path='0.5 {a} 0.5 {b}'"], "weight-prefix pairs"),
+        ("data_path", [f"data.path='x {a} 1 {b}'"], [f"data.path='1 {a} 1 {b}'"], "follows its weight"),
+        ("data_tokenizer", [f"data.path='0.5 {a} 0.5 {other}'"], [f"data.path='0.5 {a} 0.5 {b}'"], "same --tokenizer"),
+        ("vocab_tokenizer", [f"data.path={a}", "model.vocab_size=50257"], [f"data.path={a}"], "model.vocab_size=76000"),
+        (
+            "vocab_tokenizer",
+            [f"data.path={prefixes['bare']}", "model.vocab_size=32000"],
+            [f"data.path={other}", "model.vocab_size=32000"],
+            "gpt2 (50257",
+        ),
+        ("data_split", ["data.split='98,x'"], ["data.split='98,2'"], "data.split="),
+        ("data_split", ["data.split='0,1,0'"], ["data.split='1,1,0'"], "train above 0"),
+        (
+            "eval_split",
+            ["train.eval_interval=5", "data.split='100,0,0'"],
+            ["train.eval_interval=5"],
+            "train.eval_interval=null",
+        ),
+    ]
+    for rule, bad, good, text in cases:
+        found = rules(compose(*with_vocab(bad)))
+        assert rule in found and text in found[rule], (bad, found)
+        assert rule not in rules(compose(*with_vocab(good))), (good, rules(compose(*with_vocab(good))))
+
+
+def with_vocab(overrides: list[str]) -> list[str]:
+    """The model's vocabulary covers the stand-in tokenizer's unless the case sets it."""
+    return overrides if any("vocab_size" in o for o in overrides) else ["model.vocab_size=76000", *overrides]
+
+
+def test_blend_parses_as_megatron_lm_reads_it():
+    assert parse_blend("/d/a") == (["/d/a"], None)
+    assert parse_blend("0.7 /d/a 0.3 /d/b") == (["/d/a", "/d/b"], [0.7, 0.3])
+    with pytest.raises(ValueError, match="positive"):
+        parse_blend("0 /d/a 1 /d/b")
+
+
+def test_megatron_lm_args_carry_the_tokenizer_and_evaluation(compose, prefixes):
+    cfg = compose("model.vocab_size=76000", f"data.path={prefixes['a']}", "train.eval_interval=50")
+    args = " ".join(render(cfg, resolve(cfg))["megatron_args.txt"].split("\n"))
+    assert f"--tokenizer-type HuggingFaceTokenizer --tokenizer-model {prefixes['a']}.tokenizer" in args
+    assert "--eval-interval 50 --eval-iters 10" in args and "--split 98,2,0" in args
+    assert {word for word in args.split() if word.startswith("--")} <= FLAGS
+    plain = render(compose(), resolve(compose()))["megatron_args.txt"]
+    assert "--tokenizer-type NullTokenizer" in plain and "--eval-iters 0" in plain
