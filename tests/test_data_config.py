@@ -94,3 +94,45 @@ def test_megatron_lm_args_carry_the_tokenizer_and_evaluation(compose, prefixes):
     assert {word for word in args.split() if word.startswith("--")} <= FLAGS
     plain = render(compose(), resolve(compose()))["megatron_args.txt"]
     assert "--tokenizer-type NullTokenizer" in plain and "--eval-iters 0" in plain
+
+
+@pytest.fixture
+def one_process_group(tmp_path):
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'pg'}", rank=0, world_size=1)
+    yield
+    dist.destroy_process_group()
+
+
+def test_blend_and_split_reach_the_datasets(tmp_path, compose, one_process_group, monkeypatch):
+    """Two prepared prefixes blended 3:1 feed the training samples in that proportion, and the
+    validation samples come from other documents than the training ones (data.split honoured)."""
+    from toolkit.cli import main
+    from toolkit.train import corpus
+    from toolkit.train.data import build_datasets
+
+    monkeypatch.setattr(corpus, "CACHE", tmp_path / "cache")  # the sample index cache
+    for name, word in (("left", "alpha"), ("right", "omega")):
+        lines = "".join(f'{{"text": "{word} {i} {word}"}}\n' for i in range(200))
+        (tmp_path / f"{name}.jsonl").write_text(lines)
+        assert main(["data", "prepare", str(tmp_path / f"{name}.jsonl"), "--output", str(tmp_path / name)]) == 0
+    blend = f"data.path='3 {tmp_path / 'left'} 1 {tmp_path / 'right'}'"
+    cfg = compose(blend, "model.seq_length=8", "train.steps=25", "train.eval_interval=5", "data.split='90,10,0'")
+    data = build_datasets(cfg, resolve(cfg))
+    alpha, omega = (corpus.load_tokenizer()(" " + w)["input_ids"][0] for w in ("alpha", "omega"))
+    left = sum(alpha in data.train[i]["tokens"].tolist() for i in range(400))
+    right = sum(omega in data.train[i]["tokens"].tolist() for i in range(400))
+    assert 0.65 < left / (left + right) < 0.85, (left, right)
+    train_docs = {int(d) for i in range(len(data.train.datasets[0])) for d in _documents(data.train.datasets[0], i)}
+    valid_docs = {int(d) for i in range(len(data.valid.datasets[0])) for d in _documents(data.valid.datasets[0], i)}
+    assert train_docs and valid_docs and not train_docs & valid_docs
+
+
+def _documents(gpt_dataset, index: int):
+    """The documents GPTDataset sample `index` is cut from (its document and sample indices)."""
+    begin, end = (
+        gpt_dataset.sample_index[gpt_dataset.shuffle_index[index]],
+        gpt_dataset.sample_index[gpt_dataset.shuffle_index[index] + 1],
+    )
+    return gpt_dataset.document_index[begin[0] : end[0] + 1]
