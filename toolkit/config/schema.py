@@ -376,7 +376,8 @@ class DataConfig:
     path: Optional[str] = None
     tokenizer: Tokenizer = Tokenizer.gpt2  # for a prefix without a manifest
     split: str = "98,2,0"  # train,valid,test shares of the documents (Megatron-LM's --split)
-    num_workers: int = 1
+    # DataLoader processes per rank making micro-batches ahead of the step; null: 2 on GPUs, 0 on CPU.
+    num_workers: Optional[int] = None
 
 
 @dataclass

@@ -137,6 +137,7 @@ def megatron_args(cfg: Config, layout: Layout, sections: dict) -> list[str]:
         args += [f"--data-path {cfg.data.path}", f"--split {cfg.data.split}"]
     else:
         args.append("--mock-data")
+    args.append(f"--num-workers {layout.loader_workers}")
     if cfg.train.eval_interval:
         args += [f"--eval-interval {cfg.train.eval_interval}", f"--eval-iters {cfg.train.eval_iters}"]
     else:

@@ -35,6 +35,7 @@ class Layout:
     warmup_steps: int
     decay_steps: int
     bubble_fraction: float
+    loader_workers: int = 0  # DataLoader processes per rank (data.num_workers, or its default)
 
     @property
     def num_microbatches(self) -> int:
@@ -127,6 +128,14 @@ def bubble_fraction(pp: int, vpp: int, num_microbatches: int) -> float:
     return (pp - 1) / (vpp * num_microbatches)
 
 
+def loader_workers(cfg: Config) -> int:
+    """data.num_workers, or by default 2 loader processes per rank on GPUs (Megatron-LM's
+    --num-workers) and none on CPU, where the ranks already use every core."""
+    if cfg.data.num_workers is not None:
+        return cfg.data.num_workers
+    return 2 if cfg.cluster.device == "cuda" else 0
+
+
 def resolve(cfg: Config) -> Layout:
     """The derived numbers of a configuration the validator accepted: world size, dp, micro-batches
     per step, padded vocabulary, layers per pipeline stage, steps, scaled learning rate and warmup."""
@@ -157,4 +166,5 @@ def resolve(cfg: Config) -> Layout:
         warmup_steps=warmup,
         decay_steps=o.decay_steps if o.decay_steps is not None else steps,
         bubble_fraction=bubble_fraction(p.pp, p.vpp, grad_accum),
+        loader_workers=loader_workers(cfg),
     )

@@ -124,6 +124,7 @@ _AT_LEAST_ONE = (
     "checkpoint.keep_last",
 )
 _NON_NEGATIVE = (
+    "data.num_workers",
     "model.make_vocab_size_divisible_by",
     "model.norm_epsilon",
     "model.init_method_std",

@@ -1,0 +1,51 @@
+"""The DataLoader behind micro_batches: the global sample order of Megatron-LM's
+MegatronPretrainingSampler with any number of loader workers, and from any step (resume)."""
+
+from __future__ import annotations
+
+import itertools
+
+import torch
+
+from toolkit.plan.layout import resolve
+from toolkit.train.data import SyntheticTokens, micro_batches
+
+
+class Numbered:
+    """Sample i is the token i: which samples a micro-batch holds can be read off it."""
+
+    def __len__(self):
+        return 10**6
+
+    def __getitem__(self, index):
+        tokens = torch.full((4,), index)
+        return {"tokens": tokens, "labels": tokens, "loss_mask": torch.ones(4), "position_ids": torch.arange(4)}
+
+
+def taken(dataset, layout, rank, start, workers, count):
+    return list(itertools.islice(micro_batches(dataset, layout, rank, start_step=start, workers=workers), count))
+
+
+def test_order_is_megatron_samplers_with_any_workers_and_from_any_step(compose):
+    cfg = compose("cluster.gpus_per_node=2", "train.global_batch=12", "train.micro_batch=2")
+    layout = resolve(cfg)
+    assert (layout.dp, layout.grad_accum) == (2, 3)
+    for rank in (0, 1):
+        samples = [b["tokens"][:, 0].tolist() for b in taken(Numbered(), layout, rank, 2, 2, 6)]
+        # step s, micro j, rank r: samples s*12 + j*4 + r*2 + [0, 1]
+        assert samples == [[s * 12 + j * 4 + rank * 2 + i for i in range(2)] for s in (2, 3) for j in range(3)]
+    synthetic = SyntheticTokens(1000, 8, seed=5)
+    for dataset in (Numbered(), synthetic):
+        alone = taken(dataset, layout, 1, 0, 0, 15)
+        with_workers = taken(dataset, layout, 1, 0, 2, 15)
+        resumed = taken(dataset, layout, 1, 2, 2, 9)  # steps 2-4 of the same run
+        for a, b in zip(alone, with_workers):
+            assert all(torch.equal(a[k], b[k]) for k in a)
+        for a, b in zip(alone[6:], resumed):
+            assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_default_workers_follow_the_device(compose):
+    assert resolve(compose()).loader_workers == 0  # CPU: the ranks already use every core
+    assert resolve(compose("cluster=8xh100", "model=llama3_8b", "parallel.tp=8")).loader_workers == 2
+    assert resolve(compose("data.num_workers=6")).loader_workers == 6
