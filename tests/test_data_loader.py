@@ -4,6 +4,7 @@ MegatronPretrainingSampler with any number of loader workers, and from any step 
 from __future__ import annotations
 
 import itertools
+import re
 
 import torch
 
@@ -49,3 +50,17 @@ def test_default_workers_follow_the_device(compose):
     assert resolve(compose()).loader_workers == 0  # CPU: the ranks already use every core
     assert resolve(compose("cluster=8xh100", "model=llama3_8b", "parallel.tp=8")).loader_workers == 2
     assert resolve(compose("data.num_workers=6")).loader_workers == 6
+
+
+def test_data_bench_compares_the_loader_with_the_planned_gpus(capsys):
+    """Measured supply against the planner's demand: a CPU rank keeps up with the bundled corpus
+    (exit 0); GPUs 10^9 times faster than a CPU would be starved (exit 3), and it says so."""
+    from toolkit.cli import main
+
+    assert main(["data", "bench", "cluster.gpus_per_node=1", "--steps", "5"]) == 0
+    out = capsys.readouterr().out
+    supplied, consumed = (float(x.replace(",", "")) for x in re.findall(r"([\d,.]+) samples/s", out)[:2])
+    assert "keeps up" in out and supplied > consumed > 0
+    fast = ["cluster.peak_tflops_fp32=1e9", "cluster.hbm_bandwidth_gbs=1e12"]
+    assert main(["data", "bench", "data=synthetic", "cluster.gpus_per_node=1", *fast, "--steps", "5"]) == 3
+    assert "would starve the GPUs" in capsys.readouterr().out

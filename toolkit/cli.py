@@ -179,6 +179,19 @@ def _data_prepare(cfg, opts) -> int:
     return 0
 
 
+def _data_bench(cfg, opts) -> int:
+    layout, _ = _checked_layout("data bench", cfg)
+    if layout is None:
+        return 2
+    from toolkit.data.bench import HEADROOM, bench_loader
+    from toolkit.train.trainer import quiet_upstream_notices
+
+    quiet_upstream_notices()
+    result = bench_loader(cfg, layout, steps=opts.steps)
+    print(result.report())
+    return 0 if result.ratio >= HEADROOM else 3
+
+
 def _plan(cfg, opts) -> int:
     from toolkit.plan.report import plan_command
 
@@ -225,6 +238,13 @@ COMMANDS = {
                 Option(("--format",), dict(choices=["jsonl", "text", "parquet"], help="default: by file extension")),
                 Option(("--overwrite",), dict(action="store_true", help="replace a dataset prepared at PREFIX")),
             ),
+        ),
+        Command(
+            "data bench",
+            "measure the samples/s one rank's data loader supplies for the configuration and compare them with "
+            "what the planned GPUs consume (exit 3 when the loader would starve them)",
+            _data_bench,
+            options=(Option(("--steps",), dict(type=_positive_int, default=20, metavar="N", help="steps to time")),),
         ),
         Command(
             "train",
