@@ -10,13 +10,14 @@ last `keep_last` published checkpoints are kept.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import shutil
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+
+from toolkit.data.sources import sha256_of
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -43,14 +44,6 @@ def partial_dir(root: Path, step: int) -> Path:
     return root / f".{step_name(step)}.partial"
 
 
-def _sha256(path: Path) -> str:
-    digest = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(1 << 20), b""):
-            digest.update(block)
-    return digest.hexdigest()
-
-
 def _files(directory: Path) -> list[Path]:
     return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
 
@@ -75,7 +68,7 @@ def prepare(root: Path, step: int) -> Path:
 def publish(root: Path, step: int, keep_last: int, extra: dict | None = None) -> Path:
     """(rank 0, after every rank finished writing) manifest, atomic rename, `latest`, pruning."""
     staging = partial_dir(root, step)
-    files = {str(p.relative_to(staging)): {"bytes": p.stat().st_size, "sha256": _sha256(p)} for p in _files(staging)}
+    files = {str(p.relative_to(staging)): {"bytes": p.stat().st_size, "sha256": sha256_of(p)} for p in _files(staging)}
     _write_atomic(staging / MANIFEST, json.dumps({"step": step, "files": files, **(extra or {})}, indent=1))
     final = root / step_name(step)
     shutil.rmtree(final, ignore_errors=True)
@@ -101,7 +94,7 @@ def verify(directory: Path) -> str | None:
             return f"{name} is missing"
         if path.stat().st_size != expected["bytes"]:
             return f"{name} has {path.stat().st_size} bytes, the manifest says {expected['bytes']}"
-        if _sha256(path) != expected["sha256"]:
+        if sha256_of(path) != expected["sha256"]:
             return f"{name} fails its checksum"
     return None
 
