@@ -64,3 +64,15 @@ def test_data_bench_compares_the_loader_with_the_planned_gpus(capsys):
     fast = ["cluster.peak_tflops_fp32=1e9", "cluster.hbm_bandwidth_gbs=1e12"]
     assert main(["data", "bench", "data=synthetic", "cluster.gpus_per_node=1", *fast, "--steps", "5"]) == 3
     assert "would starve the GPUs" in capsys.readouterr().out
+
+
+def test_making_batches_leaves_the_global_random_state_alone(compose):
+    """Dropout masks come from the global generator: starting a loader (at a resume, for an
+    evaluation) must not draw from it, or a resumed run's masks differ from the uninterrupted one's."""
+    layout = resolve(compose())
+    torch.manual_seed(7)
+    expected = torch.rand(3)
+    torch.manual_seed(7)
+    for workers in (0, 2):
+        next(micro_batches(Numbered(), layout, 0, workers=workers))
+    assert torch.equal(torch.rand(3), expected)

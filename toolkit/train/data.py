@@ -172,6 +172,9 @@ def micro_batches(dataset, layout: Layout, dp_rank: int, start_step: int = 0, de
         num_workers=workers,
         pin_memory=device is not None and device.type == "cuda",
         prefetch_factor=2 if workers else None,
+        # Its own generator: a DataLoader iterator draws a worker base seed, which from the global
+        # generator would shift the dropout masks after every resume or evaluation.
+        generator=torch.Generator().manual_seed(0),
     )
     for step in loader:
         for micro in step:
