@@ -23,8 +23,9 @@ def hf_config(m: ModelConfig):
             attn_pdrop=m.attention_dropout,
             initializer_range=m.init_method_std,
             tie_word_embeddings=m.tie_embeddings,
-            activation_function="gelu",
-        )  # exact (erf) GeLU, as megatron-core's F.gelu
+            # exact (erf) GeLU as megatron-core's F.gelu, or GPT-2's own tanh approximation
+            activation_function="gelu_new" if m.activation == "gelu_tanh" else "gelu",
+        )
     common = dict(
         vocab_size=m.vocab_size,
         hidden_size=m.hidden_size,

@@ -531,7 +531,7 @@ def _backend(cfg: Config) -> Iterator[Violation]:
             "hf_path_backend",
             {"model.hf_path": m.hf_path, "backend.name": b},
             f"Hugging Face weights load on the {_others(lambda o: o.hf_weights)} backend",
-            f"use {_others(lambda o: o.hf_weights)}, or convert them to a Megatron checkpoint and set "
+            f"use {_others(lambda o: o.hf_weights)}, or convert them (parakit convert hf-to-megatron) and set "
             "train.init_checkpoint",
         )
     if z.stage not in be.zero_stages:

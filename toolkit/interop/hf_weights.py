@@ -1,0 +1,209 @@
+"""Hugging Face weights (Llama, Qwen2, Mistral, GPT-2) into megatron-core GPTModel chunks at any
+tp/pp/vpp layout, read tensor by tensor.
+
+Each rank asks megatron-core what it holds: `chunk.sharded_state_dict()` names every tensor by
+its checkpoint key (layer-stacked, Transformer Engine names: `decoder.layers.self_attention.
+linear_qkv.layer_norm_weight` is the input norm) and gives the global shape and this rank's
+offsets in it, after the same factories dist_checkpointing.load applies (SwiGLU's fc1 becomes
+its gate and up halves, each split over tp). For each of those tensors this module builds the
+global megatron tensor of one layer from the Hugging Face tensors (safetensors' safe_open:
+memory-mapped, one tensor at a time), cuts this rank's slice out of it, and hands the result to
+`load_state_dict` through megatron-core's own factory merge. So the extra host memory while
+loading is about one global tensor (plus its slice), never the whole model.
+
+Layouts (megatron-core's): linear_qkv rows are grouped per KV group, [q heads of group 0, k of
+group 0, v of group 0, q heads of group 1, ...] (megatron/core/transformer/attention.py,
+SelfAttention.get_query_key_value_tensors); linear_fc1 of SwiGLU is [gate; up]; GPT-2's Conv1D
+stores weights as [in, out], transposed to torch.nn.Linear's [out, in]. The embedding and output
+rows beyond the tokenizer's vocabulary (padding to make_vocab_size_divisible_by * tp) are zero.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+
+from toolkit.config.schema import ModelConfig
+from toolkit.interop.hf_arch import HfConfigError, check_matches
+from toolkit.plan.params import head_dim, kv_heads
+
+
+class HfTensors:
+    """The tensors of a Hugging Face directory, each read when asked for (safe_open maps the
+    files; nothing is loaded up front)."""
+
+    def __init__(self, path: str):
+        from safetensors import safe_open
+
+        directory = Path(path)
+        index = directory / "model.safetensors.index.json"
+        if index.is_file():  # sharded checkpoint: name -> file
+            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        else:
+            files = sorted(p.name for p in directory.glob("*.safetensors"))
+        if not files:
+            raise HfConfigError(
+                f"model.hf_path={path}: no *.safetensors files; save the model with save_pretrained "
+                "(safetensors is its default), or convert a PyTorch .bin checkpoint first"
+            )
+        self.path = path
+        self._where: dict[str, object] = {}
+        self._files = [safe_open(str(directory / f), framework="pt") for f in files]
+        for handle in self._files:
+            for name in handle.keys():
+                self._where[name] = handle
+
+    def _name(self, name: str) -> str | None:
+        # Older GPT-2 checkpoints (openai-community/gpt2) store the body without `transformer.`.
+        for candidate in (name, name.removeprefix("transformer.")):
+            if candidate in self._where:
+                return candidate
+        return None
+
+    def has(self, name: str) -> bool:
+        return self._name(name) is not None
+
+    def get(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        found = self._name(name)
+        if found is None:
+            raise HfConfigError(f"model.hf_path={self.path}: no tensor {name!r} in its safetensors files")
+        return self._where[found].get_tensor(found).to(dtype)
+
+
+def _interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: ModelConfig) -> torch.Tensor:
+    """[all q; all k; all v] rows -> megatron-core's per-group [q..., k, v] rows (the inverse of
+    toolkit.interop.convert._split_qkv)."""
+    groups, d = kv_heads(m), head_dim(m)
+    rest = q.shape[1:]
+    q = q.reshape(groups, m.num_attention_heads // groups * d, *rest)
+    k, v = k.reshape(groups, d, *rest), v.reshape(groups, d, *rest)
+    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
+
+
+def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
+    if t.shape[0] == rows:
+        return t
+    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
+
+
+def _llama_tensor(key: str, layer: int | None, hf: HfTensors, m: ModelConfig) -> torch.Tensor | None:
+    p = f"model.layers.{layer}." if layer is not None else ""
+    kind = key.rsplit(".", 1)[-1]  # weight | bias | layer_norm_weight
+    simple = {
+        "embedding.word_embeddings.weight": "model.embed_tokens.weight",
+        "output_layer.weight": "model.embed_tokens.weight" if m.tie_embeddings else "lm_head.weight",
+        "decoder.final_layernorm.weight": "model.norm.weight",
+        "decoder.layers.self_attention.linear_qkv.layer_norm_weight": p + "input_layernorm.weight",
+        "decoder.layers.mlp.linear_fc1.layer_norm_weight": p + "post_attention_layernorm.weight",
+        "decoder.layers.self_attention.linear_proj.weight": p + "self_attn.o_proj.weight",
+        "decoder.layers.self_attention.linear_proj.bias": p + "self_attn.o_proj.bias",
+        "decoder.layers.mlp.linear_fc2.weight": p + "mlp.down_proj.weight",
+        "decoder.layers.mlp.linear_fc2.bias": p + "mlp.down_proj.bias",
+    }
+    if key in simple:
+        return hf.get(simple[key])
+    if key.startswith("decoder.layers.self_attention.linear_qkv."):
+        q, k, v = (hf.get(f"{p}self_attn.{x}_proj.{kind}") for x in "qkv")
+        return _interleave_qkv(q, k, v, m)
+    if key.startswith("decoder.layers.mlp.linear_fc1."):
+        return torch.cat([hf.get(f"{p}mlp.gate_proj.{kind}"), hf.get(f"{p}mlp.up_proj.{kind}")])
+    return None
+
+
+def _gpt2_tensor(key: str, layer: int | None, hf: HfTensors, m: ModelConfig) -> torch.Tensor | None:
+    p = f"transformer.h.{layer}." if layer is not None else ""
+    kind = key.rsplit(".", 1)[-1]
+    norm = "weight" if kind.endswith("weight") else "bias"  # layer_norm_weight / layer_norm_bias
+    simple = {
+        "embedding.word_embeddings.weight": "transformer.wte.weight",
+        "embedding.position_embeddings.weight": "transformer.wpe.weight",
+        "output_layer.weight": "transformer.wte.weight" if m.tie_embeddings else "lm_head.weight",
+        "decoder.final_layernorm.weight": "transformer.ln_f.weight",
+        "decoder.final_layernorm.bias": "transformer.ln_f.bias",
+        f"decoder.layers.self_attention.linear_qkv.layer_norm_{norm}": f"{p}ln_1.{norm}",
+        f"decoder.layers.mlp.linear_fc1.layer_norm_{norm}": f"{p}ln_2.{norm}",
+    }
+    if key in simple:
+        return hf.get(simple[key])
+    conv1d = {  # GPT-2's Conv1D: weight [in, out]
+        "decoder.layers.self_attention.linear_proj.": "attn.c_proj.",
+        "decoder.layers.mlp.linear_fc1.": "mlp.c_fc.",
+        "decoder.layers.mlp.linear_fc2.": "mlp.c_proj.",
+    }
+    for prefix, name in conv1d.items():
+        if key.startswith(prefix):
+            t = hf.get(f"{p}{name}{kind}")
+            return t.t().contiguous() if kind == "weight" else t
+    if key.startswith("decoder.layers.self_attention.linear_qkv."):
+        t = hf.get(f"{p}attn.c_attn.{kind}")
+        t = t.t() if kind == "weight" else t  # [3 * hidden, hidden]: all q, all k, all v
+        return _interleave_qkv(*t.chunk(3, dim=0), m)
+    return None
+
+
+def megatron_tensor(key: str, layer: int | None, hf: HfTensors, m: ModelConfig) -> torch.Tensor:
+    """The global megatron-core tensor of checkpoint key `key` (of decoder layer `layer`; the
+    vocabulary not yet padded) built from the Hugging Face tensors."""
+    build = _gpt2_tensor if m.family == "gpt2" else _llama_tensor
+    t = build(key, layer, hf, m)
+    if t is None:
+        raise HfConfigError(
+            f"model.hf_path={hf.path}: megatron-core tensor {key!r} has no Hugging Face counterpart for "
+            f"family={m.family}; check that the model fields match the directory's config.json"
+        )
+    return t
+
+
+def _local_slice(sh, global_tensor: torch.Tensor) -> torch.Tensor:
+    """This rank's part of a global tensor: the ShardedTensor's offsets after its prepended
+    (layer) axes, its local shape."""
+    if sh.flattened_range is not None:
+        raise NotImplementedError("flattened (distributed-optimizer) shards are not model parameters")
+    n = sh.prepend_axis_num
+    expected = tuple(sh.global_shape[n:])
+    if key_is_vocab(sh.key):  # padded to make_vocab_size_divisible_by * tp
+        global_tensor = _pad_rows(global_tensor, expected[0])
+    if tuple(global_tensor.shape) != expected:
+        raise HfConfigError(
+            f"{sh.key}: the Hugging Face weights give shape {tuple(global_tensor.shape)}, the model expects "
+            f"{expected}; check that the model fields match the directory's config.json"
+        )
+    index = tuple(slice(o, o + s) for o, s in zip(sh.global_offset[n:], sh.local_shape))
+    return global_tensor[index].to(sh.data.dtype).clone()
+
+
+def key_is_vocab(key: str) -> bool:
+    return key in ("embedding.word_embeddings.weight", "output_layer.weight")
+
+
+@torch.no_grad()
+def load_hf_into_chunks(chunks: list, path: str, m: ModelConfig) -> None:
+    """Fill this rank's GPTModel chunks with the weights of the Hugging Face directory `path`,
+    reading only the tensors the chunks hold."""
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge
+    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factory_merges
+    from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
+
+    check_matches(m, path)
+    hf = HfTensors(path)
+    last: dict = {}  # the last global tensor built: SwiGLU's gate and up halves share one
+
+    def fill(value):
+        if isinstance(value, ShardedTensor):
+            layer = value.global_offset[0] if value.prepend_axis_num else None
+            if last.get("id") != (value.key, layer):
+                last.clear()  # drop the previous one first: at most one global tensor alive
+                last.update(id=(value.key, layer), tensor=megatron_tensor(value.key, layer, hf, m))
+            return _local_slice(value, last["tensor"])
+        if isinstance(value, ShardedObject):  # _extra_state (FP8 metadata): the chunk's own
+            return value.data
+        return value
+
+    for chunk in chunks:
+        sharded, nonpersistent, factories = load_preprocess(chunk.sharded_state_dict())
+        loaded = apply_factory_merges(dict_list_map_inplace(fill, sharded), factories)
+        merge(loaded, nonpersistent)
+        chunk.load_state_dict(loaded, strict=True)
+        last.clear()
