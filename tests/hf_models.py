@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-VOCAB = 1000  # not a multiple of 128: padded to 1024 at tp=1 and tp=2
+VOCAB = 1100  # not a multiple of 128: padded to 1152 at tp=1, to 1280 at tp=2
 COMMON = dict(
     vocab_size=VOCAB,
     hidden_size=64,
