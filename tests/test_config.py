@@ -4,7 +4,6 @@ import dataclasses
 import enum
 import math
 import typing
-
 from pathlib import Path
 
 import pytest

@@ -158,9 +158,9 @@ def logits(tmp_path_factory):
             overrides = ["model=hf", f"model.hf_path={tmp / family}"]
             cases.append({"name": _name(family, tp, pp, vpp), "overrides": overrides, "layout": [tp, pp, vpp]})
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS.parent)}
-    converted = tmp / "qwen2-megatron"
+    converted = str(tmp / "qwen2-megatron")
     convert = subprocess.run(
-        [sys.executable, "-m", "toolkit.cli", "convert", "hf-to-megatron", str(tmp / "qwen2"), "--output", str(converted)],
+        [sys.executable, "-m", "toolkit.cli", "convert", "hf-to-megatron", str(tmp / "qwen2"), "--output", converted],
         capture_output=True,
         text=True,
         timeout=300,
@@ -168,7 +168,7 @@ def logits(tmp_path_factory):
     )
     assert convert.returncode == 0, convert.stderr[-3000:]
     overrides = ["model=hf", f"model.hf_path={tmp / 'qwen2'}"]
-    cases.append({"name": "converted", "overrides": overrides, "layout": [2, 2, 1], "init_checkpoint": str(converted)})
+    cases.append({"name": "converted", "overrides": overrides, "layout": [2, 2, 1], "init_checkpoint": converted})
     (tmp / "cases.json").write_text(json.dumps(cases))
     out = tmp / "out"
     out.mkdir()
