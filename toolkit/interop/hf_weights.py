@@ -31,8 +31,9 @@ from toolkit.plan.params import head_dim, kv_heads
 
 
 class HfTensors:
-    """The tensors of a Hugging Face directory, each read when asked for (safe_open maps the
-    files; nothing is loaded up front)."""
+    """The tensors of a Hugging Face directory, each read when asked for. A file is mapped only
+    while one tensor is copied out of it (safe_open), so that neither the process's memory nor
+    its resident mapped pages grow towards the model's size as the tensors go by."""
 
     def __init__(self, path: str):
         from safetensors import safe_open
@@ -49,11 +50,10 @@ class HfTensors:
                 "(safetensors is its default), or convert a PyTorch .bin checkpoint first"
             )
         self.path = path
-        self._where: dict[str, object] = {}
-        self._files = [safe_open(str(directory / f), framework="pt") for f in files]
-        for handle in self._files:
-            for name in handle.keys():
-                self._where[name] = handle
+        self._where: dict[str, str] = {}
+        for file in files:
+            with safe_open(str(directory / file), framework="pt") as handle:  # reads the header only
+                self._where.update(dict.fromkeys(handle.keys(), str(directory / file)))
 
     def _name(self, name: str) -> str | None:
         # Older GPT-2 checkpoints (openai-community/gpt2) store the body without `transformer.`.
@@ -66,10 +66,13 @@ class HfTensors:
         return self._name(name) is not None
 
     def get(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        from safetensors import safe_open
+
         found = self._name(name)
         if found is None:
             raise HfConfigError(f"model.hf_path={self.path}: no tensor {name!r} in its safetensors files")
-        return self._where[found].get_tensor(found).to(dtype)
+        with safe_open(self._where[found], framework="pt") as handle:
+            return handle.get_tensor(found).to(dtype)
 
 
 def _interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: ModelConfig) -> torch.Tensor:
@@ -80,12 +83,6 @@ def _interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: ModelC
     q = q.reshape(groups, m.num_attention_heads // groups * d, *rest)
     k, v = k.reshape(groups, d, *rest), v.reshape(groups, d, *rest)
     return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
-
-
-def _pad_rows(t: torch.Tensor, rows: int) -> torch.Tensor:
-    if t.shape[0] == rows:
-        return t
-    return torch.cat([t, t.new_zeros(rows - t.shape[0], *t.shape[1:])])
 
 
 def _llama_tensor(key: str, layer: int | None, hf: HfTensors, m: ModelConfig) -> torch.Tensor | None:
@@ -158,32 +155,40 @@ def megatron_tensor(key: str, layer: int | None, hf: HfTensors, m: ModelConfig) 
 
 def _local_slice(sh, global_tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a global tensor: the ShardedTensor's offsets after its prepended
-    (layer) axes, its local shape."""
+    (layer) axes, its local shape. Vocabulary rows past the tokenizer's (padding to
+    make_vocab_size_divisible_by * tp) are zero."""
     if sh.flattened_range is not None:
         raise NotImplementedError("flattened (distributed-optimizer) shards are not model parameters")
     n = sh.prepend_axis_num
     expected = tuple(sh.global_shape[n:])
-    if key_is_vocab(sh.key):  # padded to make_vocab_size_divisible_by * tp
-        global_tensor = _pad_rows(global_tensor, expected[0])
-    if tuple(global_tensor.shape) != expected:
+    padded = sh.key in _VOCAB_KEYS and global_tensor.shape[0] < expected[0]
+    if (expected[0] if padded else global_tensor.shape[0],) + tuple(global_tensor.shape[1:]) != expected:
         raise HfConfigError(
             f"{sh.key}: the Hugging Face weights give shape {tuple(global_tensor.shape)}, the model expects "
             f"{expected}; check that the model fields match the directory's config.json"
         )
     index = tuple(slice(o, o + s) for o, s in zip(sh.global_offset[n:], sh.local_shape))
-    return global_tensor[index].to(sh.data.dtype).clone()
+    if padded:  # copy the real rows into a zero tensor of the local shape; no padded global copy
+        local = torch.zeros(sh.local_shape, dtype=sh.data.dtype)
+        start, stop = index[0].start, min(index[0].stop, global_tensor.shape[0])
+        if stop > start:
+            local[: stop - start] = global_tensor[(slice(start, stop), *index[1:])]
+        return local
+    part = global_tensor[index].to(sh.data.dtype)
+    # A slice keeps the whole global tensor alive: copy it out (not needed for all of it).
+    return part.clone() if part.numel() != global_tensor.numel() else part
 
 
-def key_is_vocab(key: str) -> bool:
-    return key in ("embedding.word_embeddings.weight", "output_layer.weight")
+_VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
 
 
 @torch.no_grad()
 def load_hf_into_chunks(chunks: list, path: str, m: ModelConfig) -> None:
     """Fill this rank's GPTModel chunks with the weights of the Hugging Face directory `path`,
-    reading only the tensors the chunks hold."""
-    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace, merge
-    from megatron.core.dist_checkpointing.mapping import ShardedObject, ShardedTensor, apply_factory_merges
+    reading only the tensors the chunks hold, one parameter at a time: each is built, copied into
+    the chunk's parameter and dropped before the next is read."""
+    from megatron.core.dist_checkpointing.dict_utils import dict_list_map_inplace
+    from megatron.core.dist_checkpointing.mapping import ShardedTensor, apply_factory_merges
     from megatron.core.dist_checkpointing.state_dict_utils import load_preprocess
 
     check_matches(m, path)
@@ -191,19 +196,26 @@ def load_hf_into_chunks(chunks: list, path: str, m: ModelConfig) -> None:
     last: dict = {}  # the last global tensor built: SwiGLU's gate and up halves share one
 
     def fill(value):
-        if isinstance(value, ShardedTensor):
-            layer = value.global_offset[0] if value.prepend_axis_num else None
-            if last.get("id") != (value.key, layer):
-                last.clear()  # drop the previous one first: at most one global tensor alive
-                last.update(id=(value.key, layer), tensor=megatron_tensor(value.key, layer, hf, m))
-            return _local_slice(value, last["tensor"])
-        if isinstance(value, ShardedObject):  # _extra_state (FP8 metadata): the chunk's own
-            return value.data
-        return value
+        if not isinstance(value, ShardedTensor):
+            return value
+        layer = value.global_offset[0] if value.prepend_axis_num else None
+        if last.get("id") != (value.key, layer):
+            last.clear()  # drop the previous one first: at most one global tensor alive
+            last.update(id=(value.key, layer), tensor=megatron_tensor(value.key, layer, hf, m))
+        return _local_slice(value, last["tensor"])
 
     for chunk in chunks:
-        sharded, nonpersistent, factories = load_preprocess(chunk.sharded_state_dict())
-        loaded = apply_factory_merges(dict_list_map_inplace(fill, sharded), factories)
-        merge(loaded, nonpersistent)
-        chunk.load_state_dict(loaded, strict=True)
+        targets = {k: v for k, v in chunk.state_dict(keep_vars=True).items() if not k.endswith("_extra_state")}
+        sharded, _, factories = load_preprocess(chunk.sharded_state_dict())
+        sharded = {k: v for k, v in sharded.items() if not k.endswith("_extra_state")}
+        if set(sharded) != set(targets):  # every parameter filled, nothing else
+            raise RuntimeError(f"sharded state dict and parameters differ: {sorted(set(sharded) ^ set(targets))}")
+        for name in list(sharded):
+            # megatron-core's own factory merge (SwiGLU: cat of the gate and up halves), one entry.
+            loaded = apply_factory_merges(
+                dict_list_map_inplace(fill, {name: sharded.pop(name)}),
+                {name: factories[name]} if name in factories else {},
+            )[name]
+            targets[name].copy_(loaded)
+            del loaded
         last.clear()
