@@ -6,10 +6,11 @@ its checkpoint key (layer-stacked, Transformer Engine names: `decoder.layers.sel
 linear_qkv.layer_norm_weight` is the input norm) and gives the global shape and this rank's
 offsets in it, after the same factories dist_checkpointing.load applies (SwiGLU's fc1 becomes
 its gate and up halves, each split over tp). For each of those tensors this module builds the
-global megatron tensor of one layer from the Hugging Face tensors (safetensors' safe_open:
-memory-mapped, one tensor at a time), cuts this rank's slice out of it, and hands the result to
-`load_state_dict` through megatron-core's own factory merge. So the extra host memory while
-loading is about one global tensor (plus its slice), never the whole model.
+global megatron tensor of one layer from the Hugging Face tensors (safetensors' safe_open, one
+tensor at a time), cuts this rank's slice out of it, merges it with megatron-core's own factory
+merge and copies it into the parameter before the next one is read. So the extra host memory
+while loading is about one global tensor (plus its slice), never the whole model
+(scripts/bench_hf_memory.py measures it).
 
 Layouts (megatron-core's): linear_qkv rows are grouped per KV group, [q heads of group 0, k of
 group 0, v of group 0, q heads of group 1, ...] (megatron/core/transformer/attention.py,
@@ -61,9 +62,6 @@ class HfTensors:
             if candidate in self._where:
                 return candidate
         return None
-
-    def has(self, name: str) -> bool:
-        return self._name(name) is not None
 
     def get(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         from safetensors import safe_open
