@@ -100,7 +100,7 @@ def test_a_bad_hf_path_is_one_clear_error(tmp_path, capsys, config, expected):
 def test_an_architecture_mismatch_names_each_field_and_the_fix():
     m = compose_config(["model=tiny", f"model.hf_path={QWEN2_CONFIG}"]).model
     with pytest.raises(HfConfigError) as error:
-        check_matches(m, QWEN2_CONFIG)
+        check_matches(m, QWEN2_CONFIG)  # what the trainers check before reading weights
     message = str(error.value)
     for field in ("model.family=llama vs qwen2", "model.num_layers=8 vs 4", "model.vocab_size=50257 vs 1000"):
         assert field in message
@@ -108,11 +108,20 @@ def test_an_architecture_mismatch_names_each_field_and_the_fix():
     check_matches(compose_config(["model=hf", f"model.hf_path={QWEN2_CONFIG}"]).model, QWEN2_CONFIG)  # agrees
 
 
-def test_megatron_backend_accepts_model_hf_path():
+@pytest.mark.parametrize("backend", ["megatron", "deepspeed"])
+def test_validate_refuses_a_mismatched_or_missing_hf_path_and_accepts_model_hf(tmp_path, backend):
     from toolkit.plan.validate import validate
 
-    cfg = compose_config(["model=hf", f"model.hf_path={QWEN2_CONFIG}", "data=synthetic", "backend=megatron"])
-    assert "hf_path_backend" not in {v.rule for v in validate(cfg).errors}
+    def rules(*overrides):
+        cfg = compose_config([*overrides, "data=synthetic", f"backend={backend}", "zero=1"])
+        return {v.rule: v for v in validate(cfg).errors}
+
+    mismatch = rules("model=tiny", f"model.hf_path={QWEN2_CONFIG}")["hf_path_architecture"]
+    assert mismatch.fields["model.num_layers"] == 8 and "model.num_layers=8 vs 4" in mismatch.message
+    assert f"model=hf model.hf_path={QWEN2_CONFIG}" in mismatch.fix
+    assert "no such directory" in rules("model=tiny", f"model.hf_path={tmp_path / 'absent'}")["hf_path"].message
+    # The neighbour: the same directory with model=hf (both backends read Hugging Face weights).
+    assert not rules("model=hf", f"model.hf_path={QWEN2_CONFIG}")
 
 
 def test_qkv_interleave_is_the_inverse_of_the_megatron_to_hf_split():

@@ -190,9 +190,9 @@ def _same(ours, theirs) -> bool:
     return str(ours) == str(theirs)
 
 
-def mismatches(model, path) -> list[str]:
-    """`field: configured vs in config.json` for each architecture field where the configured
-    model (a ModelConfig) differs from the directory's model; [] when they agree."""
+def mismatches(model, path) -> dict[str, tuple]:
+    """{field: (configured, in config.json)} for each architecture field where the configured
+    model (a ModelConfig) differs from the directory's; {} when they agree."""
     theirs = model_fields(path)
     ours = {name: getattr(model, name) for name in ARCHITECTURE}
     heads = model.num_attention_heads
@@ -202,11 +202,16 @@ def mismatches(model, path) -> list[str]:
     theirs["head_dim"] = theirs["head_dim"] or theirs["hidden_size"] // theirs["num_attention_heads"]
     if theirs["position_embedding"] != "rope":
         ours.pop("rotary_base")
-    return [
-        f"model.{name}={ours[name]} vs {theirs[name]} in {path}/config.json"
-        for name in ARCHITECTURE
-        if name in ours and not _same(ours[name], theirs[name])
-    ]
+    differ = [name for name in ARCHITECTURE if name in ours and not _same(ours[name], theirs[name])]
+    return {name: (ours[name], theirs[name]) for name in differ}
+
+
+def describe(diff: dict[str, tuple]) -> str:
+    """`model.FIELD=configured vs in config.json, ...`"""
+    return ", ".join(f"model.{name}={a} vs {b}" for name, (a, b) in diff.items())
+
+
+MISMATCH_FIX = "use model=hf model.hf_path={path} (reads the architecture from config.json), or set those fields"
 
 
 def check_matches(model, path) -> None:
@@ -214,6 +219,6 @@ def check_matches(model, path) -> None:
     diff = mismatches(model, path)
     if diff:
         raise HfConfigError(
-            f"model.hf_path={path} holds another architecture than model={model.name}: {'; '.join(diff)}. "
-            f"Use model=hf model.hf_path={path} (reads the architecture from config.json), or set those fields"
+            f"model.hf_path={path} holds another architecture than model={model.name} (configured vs "
+            f"config.json): {describe(diff)}. " + MISMATCH_FIX.format(path=path).capitalize()
         )
