@@ -16,7 +16,8 @@ Layouts (megatron-core's): linear_qkv rows are grouped per KV group, [q heads of
 group 0, v of group 0, q heads of group 1, ...] (megatron/core/transformer/attention.py,
 SelfAttention.get_query_key_value_tensors); linear_fc1 of SwiGLU is [gate; up]; GPT-2's Conv1D
 stores weights as [in, out], transposed to torch.nn.Linear's [out, in]. The embedding and output
-rows beyond the tokenizer's vocabulary (padding to make_vocab_size_divisible_by * tp) are zero.
+layer are read by rows, only this rank's; the rows beyond the tokenizer's vocabulary (padding to
+make_vocab_size_divisible_by * tp) are zero.
 """
 
 from __future__ import annotations
@@ -63,14 +64,28 @@ class HfTensors:
                 return candidate
         return None
 
-    def get(self, name: str, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        from safetensors import safe_open
-
+    def _found(self, name: str) -> str:
         found = self._name(name)
         if found is None:
             raise HfConfigError(f"model.hf_path={self.path}: no tensor {name!r} in its safetensors files")
+        return found
+
+    def get(self, name: str, rows: tuple[int, int] | None = None, dtype=torch.float32) -> torch.Tensor:
+        """Tensor `name`, or only its rows [start, stop) (read from the file without the rest)."""
+        from safetensors import safe_open
+
+        found = self._found(name)
         with safe_open(self._where[found], framework="pt") as handle:
-            return handle.get_tensor(found).to(dtype)
+            if rows is None:
+                return handle.get_tensor(found).to(dtype)
+            return handle.get_slice(found)[rows[0] : rows[1]].to(dtype)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        from safetensors import safe_open
+
+        found = self._found(name)
+        with safe_open(self._where[found], framework="pt") as handle:
+            return tuple(handle.get_slice(found).get_shape())
 
 
 def _interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: ModelConfig) -> torch.Tensor:
@@ -83,12 +98,33 @@ def _interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: ModelC
     return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
 
 
+def _vocab_name(key: str, m: ModelConfig) -> str:
+    """The Hugging Face tensor of the embedding or the output layer (the embedding when tied)."""
+    embedding = "transformer.wte.weight" if m.family == "gpt2" else "model.embed_tokens.weight"
+    return embedding if key == "embedding.word_embeddings.weight" or m.tie_embeddings else "lm_head.weight"
+
+
+def _vocab_part(sh, hf: HfTensors, m: ModelConfig) -> torch.Tensor:
+    """This rank's rows of the embedding or output layer that the tokenizer's vocabulary has,
+    reading only those rows: the largest tensor of most models, so each of tp ranks on a node
+    reads 1/tp of it. The padding rows past them (to make_vocab_size_divisible_by * tp) are left
+    to the caller, which zeroes them in the parameter itself (no padded copy)."""
+    name = _vocab_name(sh.key, m)
+    rows, hidden = hf.shape(name)
+    if hidden != sh.global_shape[-1] or rows > sh.global_shape[0]:
+        raise HfConfigError(
+            f"{sh.key}: the Hugging Face weights give shape {(rows, hidden)}, the model expects "
+            f"{tuple(sh.global_shape)} (padded); check that the model fields match the directory's config.json"
+        )
+    start = sh.global_offset[0]
+    stop = max(start, min(start + sh.local_shape[0], rows))
+    return hf.get(name, rows=(start, stop), dtype=sh.data.dtype)
+
+
 def _llama_tensor(key: str, layer: int | None, hf: HfTensors, m: ModelConfig) -> torch.Tensor | None:
     p = f"model.layers.{layer}." if layer is not None else ""
     kind = key.rsplit(".", 1)[-1]  # weight | bias | layer_norm_weight
     simple = {
-        "embedding.word_embeddings.weight": "model.embed_tokens.weight",
-        "output_layer.weight": "model.embed_tokens.weight" if m.tie_embeddings else "lm_head.weight",
         "decoder.final_layernorm.weight": "model.norm.weight",
         "decoder.layers.self_attention.linear_qkv.layer_norm_weight": p + "input_layernorm.weight",
         "decoder.layers.mlp.linear_fc1.layer_norm_weight": p + "post_attention_layernorm.weight",
@@ -112,9 +148,7 @@ def _gpt2_tensor(key: str, layer: int | None, hf: HfTensors, m: ModelConfig) -> 
     kind = key.rsplit(".", 1)[-1]
     norm = "weight" if kind.endswith("weight") else "bias"  # layer_norm_weight / layer_norm_bias
     simple = {
-        "embedding.word_embeddings.weight": "transformer.wte.weight",
         "embedding.position_embeddings.weight": "transformer.wpe.weight",
-        "output_layer.weight": "transformer.wte.weight" if m.tie_embeddings else "lm_head.weight",
         "decoder.final_layernorm.weight": "transformer.ln_f.weight",
         "decoder.final_layernorm.bias": "transformer.ln_f.bias",
         f"decoder.layers.self_attention.linear_qkv.layer_norm_{norm}": f"{p}ln_1.{norm}",
@@ -139,8 +173,8 @@ def _gpt2_tensor(key: str, layer: int | None, hf: HfTensors, m: ModelConfig) -> 
 
 
 def megatron_tensor(key: str, layer: int | None, hf: HfTensors, m: ModelConfig) -> torch.Tensor:
-    """The global megatron-core tensor of checkpoint key `key` (of decoder layer `layer`; the
-    vocabulary not yet padded) built from the Hugging Face tensors."""
+    """The global megatron-core tensor of checkpoint key `key` (of decoder layer `layer`) built
+    from the Hugging Face tensors (the embedding and output layer: _vocab_part)."""
     build = _gpt2_tensor if m.family == "gpt2" else _llama_tensor
     t = build(key, layer, hf, m)
     if t is None:
@@ -153,25 +187,16 @@ def megatron_tensor(key: str, layer: int | None, hf: HfTensors, m: ModelConfig) 
 
 def _local_slice(sh, global_tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of a global tensor: the ShardedTensor's offsets after its prepended
-    (layer) axes, its local shape. Vocabulary rows past the tokenizer's (padding to
-    make_vocab_size_divisible_by * tp) are zero."""
+    (layer) axes, its local shape."""
     if sh.flattened_range is not None:
         raise NotImplementedError("flattened (distributed-optimizer) shards are not model parameters")
     n = sh.prepend_axis_num
-    expected = tuple(sh.global_shape[n:])
-    padded = sh.key in _VOCAB_KEYS and global_tensor.shape[0] < expected[0]
-    if (expected[0] if padded else global_tensor.shape[0],) + tuple(global_tensor.shape[1:]) != expected:
+    if tuple(global_tensor.shape) != tuple(sh.global_shape[n:]):
         raise HfConfigError(
             f"{sh.key}: the Hugging Face weights give shape {tuple(global_tensor.shape)}, the model expects "
-            f"{expected}; check that the model fields match the directory's config.json"
+            f"{tuple(sh.global_shape[n:])}; check that the model fields match the directory's config.json"
         )
     index = tuple(slice(o, o + s) for o, s in zip(sh.global_offset[n:], sh.local_shape))
-    if padded:  # copy the real rows into a zero tensor of the local shape; no padded global copy
-        local = torch.zeros(sh.local_shape, dtype=sh.data.dtype)
-        start, stop = index[0].start, min(index[0].stop, global_tensor.shape[0])
-        if stop > start:
-            local[: stop - start] = global_tensor[(slice(start, stop), *index[1:])]
-        return local
     part = global_tensor[index].to(sh.data.dtype)
     # A slice keeps the whole global tensor alive: copy it out (not needed for all of it).
     return part.clone() if part.numel() != global_tensor.numel() else part
@@ -196,6 +221,8 @@ def load_hf_into_chunks(chunks: list, path: str, m: ModelConfig) -> None:
     def fill(value):
         if not isinstance(value, ShardedTensor):
             return value
+        if value.key in _VOCAB_KEYS:
+            return _vocab_part(value, hf, m)
         layer = value.global_offset[0] if value.prepend_axis_num else None
         if last.get("id") != (value.key, layer):
             last.clear()  # drop the previous one first: at most one global tensor alive
@@ -214,6 +241,10 @@ def load_hf_into_chunks(chunks: list, path: str, m: ModelConfig) -> None:
                 dict_list_map_inplace(fill, {name: sharded.pop(name)}),
                 {name: factories[name]} if name in factories else {},
             )[name]
-            targets[name].copy_(loaded)
+            target = targets[name]
+            if loaded.shape != target.shape and name not in _VOCAB_KEYS:
+                raise RuntimeError(f"{name}: built {tuple(loaded.shape)} for a parameter of {tuple(target.shape)}")
+            target[: loaded.shape[0]].copy_(loaded)
+            target[loaded.shape[0] :].zero_()  # vocabulary padding rows
             del loaded
         last.clear()
