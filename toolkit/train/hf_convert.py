@@ -7,7 +7,8 @@ global offsets and reshards on load, and the embedding and output layer are save
 megatron-core's allow_shape_mismatch (language_module.py, tensor_parallel/layers.py), so a
 vocabulary padded for tp = 1 loads where another tp pads it further (the new rows are zero).
 The weights are read tensor by tensor (toolkit.interop.hf_weights): the process holds the
-model once plus about one tensor, not a second copy of the model.
+model once plus about one tensor, not a second copy of the model (megatron-core's
+dist_checkpointing.save takes the whole sharded state dict at once, so the model itself is held).
 """
 
 from __future__ import annotations
@@ -22,8 +23,18 @@ from toolkit.config.schema import Config
 from toolkit.train import mcore_cpu
 
 
-def single_process(cfg: Config) -> Config:
-    """`cfg` at tp = pp = 1 on one CPU process in fp32 (the conversion's own layout)."""
+def checkpoint_dtype(path: str) -> str:
+    """bf16 for Hugging Face weights saved in bfloat16 (config.json's `dtype`, `torch_dtype` before
+    transformers 5): kept as they are, half the memory and disk of fp32; fp32 otherwise.
+    megatron-core loads either into a model of any precision (the tensors are cast on load)."""
+    from toolkit.interop.hf_arch import read_config
+
+    c = read_config(path)
+    return "bf16" if c.get("dtype", c.get("torch_dtype")) == "bfloat16" else "fp32"
+
+
+def single_process(cfg: Config, dtype: str = "fp32") -> Config:
+    """`cfg` at tp = pp = 1 on one CPU process in `dtype` (the conversion's own layout)."""
     return dataclasses.replace(
         cfg,
         parallel=dataclasses.replace(
@@ -38,7 +49,7 @@ def single_process(cfg: Config) -> Config:
             last_stage_layers=None,
         ),
         cluster=dataclasses.replace(cfg.cluster, device="cpu", nodes=1, gpus_per_node=1),
-        precision=dataclasses.replace(cfg.precision, dtype="fp32"),
+        precision=dataclasses.replace(cfg.precision, dtype=dtype),
         zero=dataclasses.replace(cfg.zero, stage=0),
         train=dataclasses.replace(cfg.train, global_batch=cfg.train.micro_batch, grad_accum=None),
     )
@@ -57,7 +68,7 @@ def convert_hf_to_megatron(cfg: Config, output: str | Path) -> dict:
     from toolkit.train.distributed import init_process_group
     from toolkit.train.megatron_model import build_model_chunks
 
-    cfg = single_process(cfg)
+    cfg = single_process(cfg, checkpoint_dtype(cfg.model.hf_path))
     init_process_group()
     parallel_state.initialize_model_parallel(1, 1)
     model_parallel_cuda_manual_seed(cfg.train.seed)
