@@ -4,6 +4,7 @@ import dataclasses
 import enum
 import math
 import typing
+from pathlib import Path
 
 import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
@@ -11,6 +12,8 @@ from hydra.errors import ConfigCompositionException, MissingConfigException
 from toolkit.config.schema import Config
 from toolkit.config.store import conf_dir, quote_numeric_choices
 from toolkit.plan.layout import bubble_fraction, lr_scale_factor, padded_vocab_size, rescaled_warmup, resolve
+
+HF_CONFIG = Path(__file__).parent / "data" / "hf_qwen2"  # a config.json only
 
 
 @pytest.mark.parametrize(
@@ -20,7 +23,8 @@ def test_every_group_option_composes(compose, group):
     options = sorted(p.stem for p in (conf_dir() / group).glob("*.yaml"))
     assert options
     for option in options:
-        compose(f"{group}={option}")
+        # model=hf reads its architecture from a Hugging Face directory's config.json
+        compose(f"{group}={option}", *([f"model.hf_path={HF_CONFIG}"] if option == "hf" else []))
 
 
 def test_cluster_presets_cover_cpu_single_h200_node_and_clusters():

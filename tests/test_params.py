@@ -28,7 +28,8 @@ CASES = [(model, *layout, None, None)[:6] for model, layouts in LAYOUTS.items() 
 def test_every_conf_model_is_covered():
     from toolkit.config.store import conf_dir
 
-    assert {p.stem for p in (conf_dir() / "model").glob("*.yaml")} == set(LAYOUTS)
+    # model=hf has no architecture of its own (config.json's: tests/test_hf_weights.py)
+    assert {p.stem for p in (conf_dir() / "model").glob("*.yaml")} - {"hf"} == set(LAYOUTS)
 
 
 @pytest.mark.parametrize(

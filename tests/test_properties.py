@@ -37,6 +37,7 @@ def _group(group: str, schema) -> dict:
     return {
         path.stem: OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(schema), OmegaConf.load(path)))
         for path in sorted((conf_dir() / group).glob("*.yaml"))
+        if path.stem != "hf"  # model=hf: the architecture of a Hugging Face directory (test_hf_weights.py)
     }
 
 

@@ -142,10 +142,28 @@ def _published_llama32_1b(path: Path, **rope_scaling) -> str:
 def test_published_config_matches_conf_model_and_other_rope_is_refused(compose, tmp_path):
     m = compose("model=llama3_1b").model
     check_hf_matches(m, _published_llama32_1b(tmp_path / "published"))
-    with pytest.raises(ValueError, match=r"rope_parameters.factor: 8.0 in .* vs 32.0 in model"):
+    with pytest.raises(
+        ValueError,
+        match=r"model.rope_scaling=\{'type': 'llama3', 'factor': 32.0.* vs \{'type': 'llama3', 'factor': 8.0",
+    ):
         check_hf_matches(m, _published_llama32_1b(tmp_path / "factor8", factor=8.0))
-    with pytest.raises(ValueError, match=r"rope_parameters.rope_type: llama3 in .* vs default in model"):
+    with pytest.raises(
+        ValueError, match=r"model.rope_scaling=\{'type': 'none'\} vs \{'type': 'llama3', 'factor': 32.0"
+    ):
         check_hf_matches(compose("model=llama3_1b", "model.rope_scaling.type=none").model, str(tmp_path / "published"))
+
+
+def test_model_hf_reads_llama3_scaling_and_writes_it_back(compose, tmp_path):
+    """model=hf takes the scaling of a published config.json (the same model as conf/model/llama3_1b),
+    and the transformers config parakit writes for it (export, deepspeed) carries it back."""
+    path = _published_llama32_1b(tmp_path / "published")
+    m = compose("model=hf", f"model.hf_path={path}").model
+    assert (m.rope_scaling.type, m.rope_scaling.factor, m.rotary_base) == ("llama3", 32.0, 500000.0)
+    assert (m.rope_scaling.original_max_position_embeddings, m.rope_scaling.high_freq_factor) == (8192, 4.0)
+    written = hf_config(m).rope_parameters
+    assert written["rope_type"] == "llama3" and written["factor"] == 32.0 and written["rope_theta"] == 500000.0
+    with pytest.raises(Exception, match="RoPE scaling 'yarn' is not supported"):
+        compose("model=hf", f"model.hf_path={_published_llama32_1b(tmp_path / 'yarn', rope_type='yarn')}")
 
 
 def test_launch_refuses_megatron_lm_entry_when_it_would_drop_the_factor(compose):

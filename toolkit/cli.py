@@ -47,6 +47,8 @@ class Command:
     options: tuple[Option, ...] = ()
     writes: bool = False  # writes a run directory (else: no run directory, no log file)
     hydra: bool = True  # composes a configuration from overrides (else: its own options only)
+    # Overrides that come before the user's, from the parsed options (`convert`: model=hf ...).
+    compose_with: Callable[[argparse.Namespace], list[str]] | None = None
 
 
 def _positive_int(text: str) -> int:
@@ -192,6 +194,32 @@ def _data_bench(cfg, opts) -> int:
     return 0 if result.ratio >= HEADROOM else 3
 
 
+def _convert(cfg, opts) -> int:
+    from toolkit.train.hf_convert import convert_hf_to_megatron
+    from toolkit.train.trainer import quiet_upstream_notices
+
+    if opts.direction is None or opts.hf_dir is None or opts.output is None:
+        usage = "parakit convert hf-to-megatron HF_DIR --output DIR [OVERRIDES...]"
+        print(f"parakit convert: usage: {usage}", file=sys.stderr)
+        return 2
+    from toolkit.interop.hf_arch import HfConfigError
+
+    quiet_upstream_notices()
+    try:
+        stats = convert_hf_to_megatron(cfg, opts.output)
+    except HfConfigError as e:
+        print(f"parakit convert: {e}", file=sys.stderr)
+        return 1
+    mib = {k: v / 2**20 for k, v in stats.items() if k.endswith("_bytes")}
+    print(
+        f"wrote {opts.output}: {cfg.model.name}, {stats['parameters']:,} parameters ({mib['model_bytes']:.1f} MiB); "
+        f"largest tensor {mib['largest_tensor_bytes']:.1f} MiB, peak RSS {mib['peak_rss_bytes']:.1f} MiB\n"
+        f"start any layout from it: parakit train model=hf model.hf_path={cfg.model.hf_path} "
+        f"train.init_checkpoint={opts.output}"
+    )
+    return 0
+
+
 def _plan(cfg, opts) -> int:
     from toolkit.plan.report import plan_command
 
@@ -252,6 +280,18 @@ COMMANDS = {
             "for several (cluster.gpus_per_node ranks on this machine)",
             _train,
             writes=True,
+        ),
+        Command(
+            "convert",
+            "hf-to-megatron HF_DIR --output DIR: write a Hugging Face model directory as a megatron-core "
+            "dist checkpoint that train.init_checkpoint loads at any tp/pp/vpp (model=hf model.hf_path=HF_DIR)",
+            _convert,
+            options=(
+                Option(("direction",), dict(nargs="?", choices=["hf-to-megatron"], help="what to convert")),
+                Option(("hf_dir",), dict(nargs="?", metavar="HF_DIR", help="a local Hugging Face model directory")),
+                Option(("--output",), dict(metavar="DIR", help="where the checkpoint goes")),
+            ),
+            compose_with=lambda o: ["model=hf", f"model.hf_path={Path(o.hf_dir).resolve()}"] if o.hf_dir else [],
         ),
     )
 }
@@ -316,9 +356,10 @@ def _run_hydra_app(command: Command, opts: argparse.Namespace, args: list[str]) 
     import hydra
 
     from toolkit.config.store import hydra_overrides, register_schema, search_path, to_config
+    from toolkit.interop.hf_arch import HfConfigError
 
     dirs = search_path(opts.config_dir)
-    overrides = hydra_overrides(args, dirs)
+    overrides = hydra_overrides([*(command.compose_with(opts) if command.compose_with else []), *args], dirs)
     if not command.writes:
         user_keys = {o.split("=", 1)[0].lstrip("+~") for o in args}
         extra = ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=none", "hydra/hydra_logging=none"]
@@ -328,7 +369,13 @@ def _run_hydra_app(command: Command, opts: argparse.Namespace, args: list[str]) 
 
     @hydra.main(config_path=str(dirs[0]), config_name="config", version_base="1.3")
     def app(cfg_node) -> None:
-        codes.append(command.handler(to_config(cfg_node), opts))
+        try:
+            cfg = to_config(cfg_node)
+        except HfConfigError as e:  # a bad model.hf_path under model=hf: one line, no traceback
+            print(f"parakit {command.name}: {e}", file=sys.stderr)
+            codes.append(1)
+            return
+        codes.append(command.handler(cfg, opts))
 
     saved_argv = sys.argv
     sys.argv = [f"parakit {command.name}", *overrides]  # hydra.main reads its arguments from sys.argv

@@ -39,7 +39,8 @@ class Normalization(StrEnum):
 
 class Activation(StrEnum):
     swiglu = "swiglu"
-    gelu = "gelu"
+    gelu = "gelu"  # exact (erf) GeLU
+    gelu_tanh = "gelu_tanh"  # tanh approximation: GPT-2's gelu_new, Megatron-LM's --openai-gelu
 
 
 class PositionEmbedding(StrEnum):
@@ -218,8 +219,9 @@ class ModelConfig:
     init_method_std: float = 0.02
     hidden_dropout: float = 0.0
     attention_dropout: float = 0.0
-    # A local Hugging Face model directory (config.json + safetensors) to start from on the
-    # deepspeed backend; its architecture must match the fields above.
+    # A local Hugging Face model directory (config.json + safetensors) whose weights training
+    # starts from, on either backend (train.init_checkpoint, when set, replaces them); its
+    # architecture must match the fields above. model=hf reads those fields from its config.json.
     hf_path: Optional[str] = None
 
 

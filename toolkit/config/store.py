@@ -25,8 +25,10 @@ from hydra.core.override_parser.overrides_parser import OverridesParser
 from hydra.core.override_parser.types import ValueType
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf import OmegaConf
+from omegaconf.errors import InterpolationResolutionError
 
 from toolkit.config.schema import Config
+from toolkit.interop import hf_arch
 
 SCHEMA_NAME = "parakit_schema"
 CONFIG_PATH_ENV = "PARAKIT_CONFIG_PATH"
@@ -42,8 +44,11 @@ class UnknownOptionError(MissingConfigException):
 
 
 def register_schema() -> None:
-    """Put the typed schema in Hydra's ConfigStore under the name config.yaml's defaults use."""
+    """Put the typed schema in Hydra's ConfigStore under the name config.yaml's defaults use, and
+    register the `${hf:FIELD,DIR}` resolver (a field of DIR/config.json: conf/model/hf.yaml)."""
     ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
+    if not OmegaConf.has_resolver("hf"):
+        OmegaConf.register_new_resolver("hf", hf_arch.field)
 
 
 def conf_dir() -> Path:
@@ -161,8 +166,17 @@ def hydra_overrides(overrides: Sequence[str], dirs: Sequence[Path]) -> list[str]
 
 
 def to_config(cfg) -> Config:
-    """A composed OmegaConf node -> plain `Config` dataclasses (what toolkit.plan reads)."""
-    return OmegaConf.to_object(cfg)
+    """A composed OmegaConf node -> plain `Config` dataclasses (what toolkit.plan reads). A bad
+    model.hf_path under model=hf raises HfConfigError with OmegaConf's wrapping taken off."""
+    try:
+        return OmegaConf.to_object(cfg)
+    except InterpolationResolutionError as e:
+        cause = e
+        while cause is not None and not isinstance(cause, hf_arch.HfConfigError):
+            cause = cause.__cause__ or cause.__context__
+        if cause is None:
+            raise
+        raise hf_arch.HfConfigError(str(cause)) from None
 
 
 def compose_config(overrides: list[str] | None = None, config_dirs: Sequence[str | Path] = ()) -> Config:

@@ -63,10 +63,11 @@ def _transformer(cfg: Config) -> dict:
         "add_qkv_bias": m.add_qkv_bias,
         "gated_linear_unit": swiglu,
         "window_size": (m.sliding_window, 0) if m.sliding_window else None,  # (left, right) tokens
-        "activation_func": "silu" if swiglu else "gelu",  # SwiGLU = silu gate (Shazeer 2020)
+        "activation_func": "silu" if swiglu else str(m.activation),  # SwiGLU = silu gate (Shazeer 2020)
         "init_method_std": m.init_method_std,
         "attention_softmax_in_fp32": True,
-        "bias_activation_fusion": fused and (swiglu or m.add_bias_linear),
+        # megatron-core fuses bias + silu or bias + gelu only (TransformerConfig.__post_init__).
+        "bias_activation_fusion": fused and (swiglu or (m.add_bias_linear and m.activation == "gelu")),
         "masked_softmax_fusion": fused,
         "bias_dropout_fusion": fused,
         "apply_rope_fusion": False,

@@ -44,6 +44,8 @@ def megatron_args(cfg: Config, layout: Layout, sections: dict) -> list[str]:
         args += ["--use-rope-scaling", f"--rope-scaling-factor {gpt['rope_scaling_factor']}"]
     if tr["gated_linear_unit"]:
         args.append("--swiglu")
+    if tr["activation_func"] == "gelu_tanh":
+        args.append("--openai-gelu")
     if tr["window_size"]:
         args.append(f"--window-size {tr['window_size'][0]},{tr['window_size'][1]}")
     if not tr["add_bias_linear"]:

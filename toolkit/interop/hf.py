@@ -39,8 +39,9 @@ def hf_config(m: ModelConfig):
             attn_pdrop=m.attention_dropout,
             initializer_range=m.init_method_std,
             tie_word_embeddings=m.tie_embeddings,
-            activation_function="gelu",
-        )  # exact (erf) GeLU, as megatron-core's F.gelu
+            # exact (erf) GeLU as megatron-core's F.gelu, or GPT-2's own tanh approximation
+            activation_function="gelu_new" if m.activation == "gelu_tanh" else "gelu",
+        )
     common = dict(
         vocab_size=m.vocab_size,
         hidden_size=m.hidden_size,
@@ -70,38 +71,9 @@ def hf_config(m: ModelConfig):
 
 
 def check_hf_matches(m: ModelConfig, path: str) -> None:
-    """Refuse a Hugging Face directory whose architecture differs from the configured model."""
-    from transformers import AutoConfig
+    """Refuse a Hugging Face directory whose architecture differs from the configured model
+    (read from its config.json by toolkit.interop.hf_arch, the same check as the megatron
+    backend's; transformers' own defaults such as GPT-2's n_inner=None are understood there)."""
+    from toolkit.interop.hf_arch import check_matches
 
-    theirs, ours = AutoConfig.from_pretrained(path), hf_config(m)
-    fields = (
-        "vocab_size",
-        "hidden_size",
-        "num_hidden_layers",
-        "num_attention_heads",
-        "num_key_value_heads",
-        "intermediate_size",
-        "n_embd",
-        "n_layer",
-        "n_head",
-        "n_inner",
-    )
-    diff = {
-        f: (getattr(theirs, f), getattr(ours, f))
-        for f in fields
-        if hasattr(ours, f) and getattr(theirs, f, None) != getattr(ours, f)
-    }
-    # RoPE base and scaling (transformers 5 reads a v4 config.json's rope_theta + rope_scaling into
-    # rope_parameters): a different rope is a different model, with the same weights' shapes.
-    theirs_rope = getattr(theirs, "rope_parameters", None) or {}
-    for key, value in (getattr(ours, "rope_parameters", None) or {}).items():
-        if theirs_rope.get(key) != value:
-            diff[f"rope_parameters.{key}"] = (theirs_rope.get(key), value)
-    if diff or type(theirs) is not type(ours):
-        detail = (
-            ", ".join(f"{f}: {a} in {path} vs {b} in model" for f, (a, b) in diff.items()) or f"{type(theirs).__name__}"
-        )
-        raise ValueError(
-            f"model.hf_path={path} does not match model={m.name} ({detail}); "
-            "set the model fields to the checkpoint's or choose the matching conf/model"
-        )
+    check_matches(m, path)

@@ -111,7 +111,7 @@ MEGATRON = Backend(
     grad_reduce=GradReduce.OVERLAPPED_BUCKETS,
     checkpoint_format="megatron-core dist_checkpointing, fully reshardable (loads at any dp/tp/pp)",
     async_save=True,
-    hf_weights=False,
+    hf_weights=True,  # read into each rank's chunks at any layout (toolkit.interop.hf_weights)
     megatron_lm_entry=True,
 )
 

@@ -21,6 +21,7 @@ from typing import Callable, Iterator
 
 from toolkit.config.schema import TOKENIZER_VOCAB, Config, DataName
 from toolkit.data.manifest import parse_blend, read_manifest
+from toolkit.interop import hf_arch
 from toolkit.plan.backends import backend_of, supporting
 from toolkit.plan.layout import (
     Layout,
@@ -232,6 +233,27 @@ def _model(cfg: Config) -> Iterator[Violation]:
             {"model.seq_length": m.seq_length, "model.max_position_embeddings": m.max_position_embeddings},
             "training sequences are longer than the model supports",
             f"set model.seq_length<={m.max_position_embeddings} (or raise max_position_embeddings for a new model)",
+        )
+    yield from _hf_path(cfg)
+
+
+def _hf_path(cfg: Config) -> Iterator[Violation]:
+    """The weights of model.hf_path fit the configured model (its config.json, read as json)."""
+    m = cfg.model
+    if not m.hf_path:
+        return
+    try:
+        diff = hf_arch.mismatches(m, m.hf_path)
+    except hf_arch.HfConfigError as e:
+        what, _, fix = str(e).partition("; ")
+        yield _err("hf_path", {"model.hf_path": m.hf_path}, what.removeprefix(f"model.hf_path={m.hf_path}: "), fix)
+        return
+    if diff:
+        yield _err(
+            "hf_path_architecture",
+            {"model.hf_path": m.hf_path, **{f"model.{name}": ours for name, (ours, _) in diff.items()}},
+            f"its config.json describes another model (configured vs config.json): {hf_arch.describe(diff)}",
+            hf_arch.MISMATCH_FIX.format(path=m.hf_path),
         )
 
 
@@ -605,7 +627,7 @@ def _backend(cfg: Config) -> Iterator[Violation]:
             "hf_path_backend",
             {"model.hf_path": m.hf_path, "backend.name": b},
             f"Hugging Face weights load on the {_others(lambda o: o.hf_weights)} backend",
-            f"use {_others(lambda o: o.hf_weights)}, or convert them to a Megatron checkpoint and set "
+            f"use {_others(lambda o: o.hf_weights)}, or convert them (parakit convert hf-to-megatron) and set "
             "train.init_checkpoint",
         )
     if z.stage not in be.zero_stages:

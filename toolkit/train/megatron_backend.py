@@ -209,6 +209,10 @@ class MegatronSteps:
         chunks = build_model_chunks(sections, config)
         if cfg.train.init_checkpoint:
             _load_weights(chunks, cfg.train.init_checkpoint)
+        elif cfg.model.hf_path:
+            from toolkit.interop.hf_weights import load_hf_into_chunks
+
+            load_hf_into_chunks(chunks, cfg.model.hf_path, cfg.model)
         if cfg.train.save_init_checkpoint:
             _save_weights(chunks, cfg.train.save_init_checkpoint)
         if config.bf16 or config.fp16:

@@ -10,6 +10,12 @@ import torch.nn.functional as F
 from toolkit.train import mcore_cpu
 
 
+def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
+    """GeLU's tanh approximation: GPT-2's gelu_new (transformers NewGELUActivation), Megatron-LM's
+    --openai-gelu (megatron-core's openai_gelu, which is torch-compiled: not on CPU here)."""
+    return F.gelu(x, approximate="tanh")
+
+
 def build_megatron_configs(sections: dict):
     """(TransformerConfig, OptimizerConfig, DistributedDataParallelConfig) from the sections."""
     mcore_cpu.import_shims()
@@ -22,7 +28,9 @@ def build_megatron_configs(sections: dict):
         return {k: getattr(torch, v) if k.endswith("_dtype") and isinstance(v, str) else v for k, v in section.items()}
 
     transformer = {**dtypes(sections["model_parallel"]), **sections["transformer"]}
-    transformer["activation_func"] = {"silu": F.silu, "gelu": F.gelu}[transformer["activation_func"]]
+    transformer["activation_func"] = {"silu": F.silu, "gelu": F.gelu, "gelu_tanh": gelu_tanh}[
+        transformer["activation_func"]
+    ]
     transformer["attention_backend"] = AttnBackend[transformer["attention_backend"]]
     if transformer.get("window_size") is not None:  # YAML gives a list
         transformer["window_size"] = tuple(transformer["window_size"])
