@@ -1,0 +1,56 @@
+"""An exported Hugging Face directory, checked against the run it came from: transformers loads it
+with no missing, unexpected or mismatched tensors; it generates; and the loss it computes on the
+batch of step STEP + 1 (the weights of checkpoint STEP are those that step trained from) next to
+the loss the run recorded there. Prints JSON.
+
+    python hf_export_check.py RUN_DIR HF_DIR STEP
+"""
+
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+
+def main():
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from toolkit.plan.layout import resolve
+    from toolkit.train.data import micro_batches, train_dataset
+    from toolkit.train.deepspeed_engine import token_loss
+    from toolkit.train.trainer import load_run_config
+
+    run_dir, hf_dir, step = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
+    model, info = AutoModelForCausalLM.from_pretrained(hf_dir, output_loading_info=True)
+    model.eval()
+    out = {k: sorted(map(str, v)) for k, v in info.items() if k != "error_msgs"}
+    out["dtype"] = str(next(model.parameters()).dtype)
+
+    prompt = torch.tensor([[15496, 995]])  # "Hello world" in GPT-2 BPE
+    if Path(hf_dir, "tokenizer.json").exists():
+        prompt = AutoTokenizer.from_pretrained(hf_dir)("And God said", return_tensors="pt")["input_ids"]
+    generated = model.generate(prompt, max_new_tokens=8, do_sample=False, min_new_tokens=8)
+    out["generated_tokens"] = generated.shape[1] - prompt.shape[1]
+
+    cfg = load_run_config(run_dir)
+    layout = resolve(cfg)
+    if cfg.data.name != "synthetic":  # GPTDataset's builder runs collectives: a world of one
+        torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
+    dataset = train_dataset(cfg, layout)
+    losses = []
+    with torch.no_grad():
+        for dp_rank in range(layout.dp):
+            batches = micro_batches(dataset, layout, dp_rank, start_step=step)
+            for _ in range(layout.grad_accum):
+                batch = next(batches)
+                logits = model(input_ids=batch["tokens"], position_ids=batch["position_ids"]).logits
+                losses.append(token_loss(logits, batch["labels"], batch["loss_mask"]).item())
+    out["loss"] = sum(losses) / len(losses)
+    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    out["recorded_loss"] = next(r["loss"] for r in records if r["step"] == step + 1)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()
