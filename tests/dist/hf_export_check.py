@@ -3,14 +3,29 @@ with no missing, unexpected or mismatched tensors; it generates; and the loss it
 batch of step STEP + 1 (the weights of checkpoint STEP are those that step trained from) next to
 the loss the run recorded there. Prints JSON.
 
-    python hf_export_check.py RUN_DIR HF_DIR STEP
+megatron-core's loss is a softmax over the padded vocabulary (the padding rows of the output layer
+take part), transformers' over the real one: given a megatron checkpoint, the padding rows are
+read from it and "padded_loss" is the loss megatron-core computes from the exported weights.
+
+    python hf_export_check.py RUN_DIR HF_DIR STEP [MEGATRON_CHECKPOINT]
 """
 
 import json
 import sys
+import tempfile
 from pathlib import Path
 
 import torch
+
+
+def output_rows(checkpoint: str) -> torch.Tensor:
+    """The output layer of a megatron-core dist checkpoint with its padding rows, whole."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+
+    with tempfile.TemporaryDirectory() as tmp:
+        dcp_to_torch_save(checkpoint, f"{tmp}/full.pt")
+        full = torch.load(f"{tmp}/full.pt", weights_only=False)
+    return full.get("output_layer.weight", full["embedding.word_embeddings.weight"])
 
 
 def main():
@@ -38,15 +53,24 @@ def main():
     if cfg.data.name != "synthetic":  # GPTDataset's builder runs collectives: a world of one
         torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
     dataset = train_dataset(cfg, layout)
-    losses = []
+    padded = output_rows(sys.argv[4]) if len(sys.argv) > 4 else None
+    losses, padded_losses = [], []
     with torch.no_grad():
         for dp_rank in range(layout.dp):
             batches = micro_batches(dataset, layout, dp_rank, start_step=step)
             for _ in range(layout.grad_accum):
                 batch = next(batches)
-                logits = model(input_ids=batch["tokens"], position_ids=batch["position_ids"]).logits
+                inputs = dict(input_ids=batch["tokens"], position_ids=batch["position_ids"])
+                logits = model(**inputs).logits
                 losses.append(token_loss(logits, batch["labels"], batch["loss_mask"]).item())
+                if padded is not None:
+                    hidden = model.base_model(**inputs).last_hidden_state  # after the final norm
+                    padded_logits = hidden @ padded.t()
+                    assert torch.allclose(padded_logits[..., : logits.size(-1)], logits, atol=1e-4)
+                    padded_losses.append(token_loss(padded_logits, batch["labels"], batch["loss_mask"]).item())
     out["loss"] = sum(losses) / len(losses)
+    if padded is not None:
+        out["padded_loss"] = sum(padded_losses) / len(padded_losses)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     out["recorded_loss"] = next(r["loss"] for r in records if r["step"] == step + 1)
     print(json.dumps(out))
