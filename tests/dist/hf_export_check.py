@@ -12,20 +12,22 @@ read from it and "padded_loss" is the loss megatron-core computes from the expor
 
 import json
 import sys
-import tempfile
 from pathlib import Path
 
 import torch
 
 
 def output_rows(checkpoint: str) -> torch.Tensor:
-    """The output layer of a megatron-core dist checkpoint with its padding rows, whole."""
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    """The output layer of a megatron-core dist checkpoint with its padding rows, whole (read by
+    torch.distributed.checkpoint alone: that tensor and nothing else)."""
+    import torch.distributed.checkpoint as dcp
 
-    with tempfile.TemporaryDirectory() as tmp:
-        dcp_to_torch_save(checkpoint, f"{tmp}/full.pt")
-        full = torch.load(f"{tmp}/full.pt", weights_only=False)
-    return full.get("output_layer.weight", full["embedding.word_embeddings.weight"])
+    reader = dcp.FileSystemReader(checkpoint)
+    stored = reader.read_metadata().state_dict_metadata
+    key = "output_layer.weight" if "output_layer.weight" in stored else "embedding.word_embeddings.weight"
+    rows = {key: torch.empty(stored[key].size, dtype=stored[key].properties.dtype)}
+    dcp.load(rows, storage_reader=reader, no_dist=True)
+    return rows[key]
 
 
 def main():
@@ -61,13 +63,14 @@ def main():
             for _ in range(layout.grad_accum):
                 batch = next(batches)
                 inputs = dict(input_ids=batch["tokens"], position_ids=batch["position_ids"])
-                logits = model(**inputs).logits
-                losses.append(token_loss(logits, batch["labels"], batch["loss_mask"]).item())
-                if padded is not None:
+                if padded is None:
+                    logits = model(**inputs).logits
+                else:  # the exported lm_head is the first vocab_size rows of `padded`
                     hidden = model.base_model(**inputs).last_hidden_state  # after the final norm
                     padded_logits = hidden @ padded.t()
-                    assert torch.allclose(padded_logits[..., : logits.size(-1)], logits, atol=1e-4)
+                    logits = padded_logits[..., : model.config.vocab_size]
                     padded_losses.append(token_loss(padded_logits, batch["labels"], batch["loss_mask"]).item())
+                losses.append(token_loss(logits, batch["labels"], batch["loss_mask"]).item())
     out["loss"] = sum(losses) / len(losses)
     if padded is not None:
         out["padded_loss"] = sum(padded_losses) / len(padded_losses)
