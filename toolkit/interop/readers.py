@@ -22,6 +22,7 @@ import io
 import json
 import os
 import re
+import warnings
 from pathlib import Path
 from typing import Iterator
 
@@ -80,7 +81,9 @@ def megatron_tensors(directory: Path, m: ModelConfig) -> Tensors:
         raise ValueError(f"{directory} holds layer tensors of another depth than num_layers={m.num_layers}: {wrong}")
 
     def load(templates: dict, offsets: dict) -> dict:
-        dcp.load(templates, storage_reader=reader, planner=_slice_planner(offsets), no_dist=True)
+        with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+            warnings.filterwarnings("ignore", message=".*load in a single process.*")
+            dcp.load(templates, storage_reader=reader, planner=_slice_planner(offsets), no_dist=True)
         return templates
 
     def outer(keys) -> Tensors:
