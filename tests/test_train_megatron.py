@@ -132,10 +132,10 @@ def test_readme_demo_trains_tp2_pp2_vpp2_on_the_corpus(demo):
 
 
 # Measured: the loss of step 12 from the exported step-11 weights (with the output layer's padding
-# rows, which megatron-core's softmax includes) is within 1.2e-7 of the run's (1.2e-6 in other short
-# runs; fp32: tp2 adds its
-# partial sums in another order, and the two implementations of attention and RMSNorm round
-# differently). SwiGLU's gate and up swapped by the converter moved it by 3.1e-4.
+# rows, which megatron-core's softmax includes) is within 1.2e-7 of the run's, 1.2e-6 in other
+# short runs (fp32: tp2 adds its partial sums in another order, and the two implementations of
+# attention and RMSNorm round differently). SwiGLU's gate and up swapped by the converter moved it
+# by 3.1e-4.
 EXPORT_LOSS_TOLERANCE = 1e-5
 
 
