@@ -55,9 +55,10 @@ class ShardWriter:
         nbytes = tensor.numel() * tensor.element_size()
         if self.pending and self.pending_bytes + nbytes > self.max_shard_bytes:
             self._write_pending()
-        # A copy of its own: views (q/k/v of a fused tensor, vocabulary rows) share storage,
-        # which safetensors refuses, and would keep the whole source tensor alive.
-        self.pending[name] = tensor.detach().to("cpu").clone(memory_format=torch.contiguous_format)
+        # No copy: safetensors writes straight from each tensor's memory and accepts disjoint views
+        # of one storage (q, k, v cut from the fused QKV), so a shard costs its own size only.
+        tensor = tensor.detach().to("cpu")
+        self.pending[name] = tensor if tensor.is_contiguous() else tensor.contiguous()
         self.pending_bytes += nbytes
 
     def _write_pending(self) -> None:
