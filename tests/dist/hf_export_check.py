@@ -34,7 +34,7 @@ def main():
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from toolkit.plan.layout import resolve
-    from toolkit.train.data import micro_batches, train_dataset
+    from toolkit.train.data import build_datasets, micro_batches
     from toolkit.train.deepspeed_engine import token_loss
     from toolkit.train.trainer import load_run_config
 
@@ -54,12 +54,12 @@ def main():
     layout = resolve(cfg)
     if cfg.data.name != "synthetic":  # GPTDataset's builder runs collectives: a world of one
         torch.distributed.init_process_group("gloo", store=torch.distributed.HashStore(), rank=0, world_size=1)
-    dataset = train_dataset(cfg, layout)
+    dataset = build_datasets(cfg, layout).train
     padded = output_rows(sys.argv[4]) if len(sys.argv) > 4 else None
     losses, padded_losses = [], []
     with torch.no_grad():
         for dp_rank in range(layout.dp):
-            batches = micro_batches(dataset, layout, dp_rank, start_step=step)
+            batches = micro_batches(dataset, layout, dp_rank, start_step=step, workers=0)
             for _ in range(layout.grad_accum):
                 batch = next(batches)
                 inputs = dict(input_ids=batch["tokens"], position_ids=batch["position_ids"])
