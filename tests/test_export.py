@@ -140,6 +140,9 @@ def test_zero_module_states_export_and_load_back(tmp_path, compose, capsys):
     assert config["eos_token_id"] == 50256 and config["architectures"] == ["LlamaForCausalLM"]
     assert (tmp_path / "hf" / "tokenizer.json").exists()  # the bundled corpus's GPT-2 BPE
     assert json.loads((tmp_path / "hf" / "parakit_export.json").read_text())["step"] == 3
+    step = run / "checkpoints" / "step_00000003"  # the engine's own directory
+    assert _export(step / "state", "-o", tmp_path / "hf2", "--no-tokenizer") == 0
+    _assert_loads_the_same(tmp_path / "hf2", model)
 
 
 def test_pipeline_layer_files_of_a_gpt2_model_export_and_load_back(tmp_path, compose, capsys):

@@ -7,7 +7,8 @@ transformers' AutoModelForCausalLM loads.
 (the options: toolkit.cli's COMMANDS)
 
 RUN_DIR may also be the run's checkpoint directory, one step_XXXXXXXX in it, or a bare
-megatron-core dist checkpoint (train.save_init_checkpoint) with --config. The run's config.yaml
+checkpoint (a megatron-core dist checkpoint such as train.save_init_checkpoint writes, or a
+DeepSpeed engine's tag directory) with --config. The run's config.yaml
 names the model. Without --step the newest checkpoint that verifies is exported. Tensors stream
 from the checkpoint (toolkit.interop.readers) into shards (toolkit.interop.hf_dir) in the dtype
 the model trained in; the directory appears only when complete.
@@ -31,9 +32,9 @@ class ExportError(Exception):
 
 @dataclass
 class Checkpoint:
-    """What to export: a published checkpoint (or a bare megatron-core one) and its run's config."""
+    """What to export: a published checkpoint (or a bare one) and its run's config."""
 
-    directory: Path  # step_XXXXXXXX, or the bare dist checkpoint
+    directory: Path  # step_XXXXXXXX, or the bare checkpoint
     backend: str  # "megatron" or "deepspeed", from what the directory holds
     step: int | None
     cfg: Config
@@ -50,7 +51,7 @@ class Checkpoint:
 def _backend_of(directory: Path) -> str | None:
     if (directory / "model_optim").is_dir() or (directory / "metadata.json").exists():
         return "megatron"
-    if (directory / "state").is_dir():
+    if (directory / "state").is_dir() or any(directory.glob("*model_states.pt")):
         return "deepspeed"
     return None
 
@@ -60,11 +61,11 @@ def _find_config(path: Path, config: Path | None) -> Path:
         if not config.is_file():
             raise ExportError(f"--config {config} is not a file: pass the run's config.yaml")
         return config
-    for directory in (path, path.parent, path.parent.parent):
+    for directory in (path, *list(path.parents)[:3]):  # RUN_DIR/checkpoints/step_N/state at the deepest
         if (directory / "config.yaml").is_file():
             return directory / "config.yaml"
     raise ExportError(
-        f"no config.yaml in {path}, its parent or grandparent: pass --config RUN_DIR/config.yaml "
+        f"no config.yaml in {path} or the three directories above it: pass --config RUN_DIR/config.yaml "
         "(the run directory that `parakit train` wrote)"
     )
 
@@ -121,7 +122,7 @@ def locate(path: Path, step: int | None = None, config: Path | None = None) -> C
         directory, root = _checked(path, path.parent), path.parent
         if step is not None and path.name != ckpt.step_name(step):
             raise ExportError(f"{path} is not the checkpoint of --step {step}: pass the run or its checkpoints/")
-    elif _backend_of(path) == "megatron" and (path / "metadata.json").exists():  # a bare dist checkpoint
+    elif _backend_of(path):  # a bare checkpoint: the weights themselves, no manifest
         directory = path
     else:
         root = path if _steps_in(path) or path.name == "checkpoints" else checkpoint_root(cfg, path)
