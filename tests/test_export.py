@@ -207,3 +207,13 @@ def test_the_tokenizer_is_the_one_the_training_data_names(tmp_path, compose):
     assert len(load_tokenizer(compose("model=tiny", "model.vocab_size=50304"), tokenizer_dir(prefix))) == 50258
     with pytest.raises(ExportError, match="more than model.vocab_size=50257"):
         load_tokenizer(compose("model=tiny", f"data.path={prefix}"), None)
+
+
+def test_a_minority_dtype_joins_the_models_only_when_exact():
+    from toolkit.interop.readers import _in_one_dtype
+
+    exact = torch.tensor([1.0, 0.5, -2.0])  # bf16 holds these
+    inexact = torch.tensor([1.0 + 2**-20])
+    got = dict(_in_one_dtype(iter([("norm", exact), ("odd", inexact), ("ids", torch.arange(3))]), torch.bfloat16))
+    assert got["norm"].dtype == torch.bfloat16 and torch.equal(got["norm"].float(), exact)
+    assert got["odd"].dtype == torch.float32 and got["ids"].dtype == torch.int64

@@ -12,7 +12,8 @@ layer at a time, by the libraries' own readers.
   (toolkit.train.deepspeed_pipe names them).
 
 Tensors keep the dtype the model trained in; ZeRO-3's fp32 master weights are cast to it, which
-is what the engine's own module held.
+is what the engine's own module held. A megatron tensor stored in a dtype other than most of the
+model's joins theirs only where the cast is exact.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ import json
 import os
 import re
 import warnings
+from collections import Counter
 from pathlib import Path
 from typing import Iterator
 
@@ -79,6 +81,28 @@ def megatron_tensors(directory: Path, m: ModelConfig) -> Tensors:
     wrong = {key: tuple(meta.size) for key, meta in stacked.items() if meta.size[0] != m.num_layers}
     if wrong:
         raise ValueError(f"{directory} holds layer tensors of another depth than num_layers={m.num_layers}: {wrong}")
+    sizes = Counter()
+    for meta in stored.values():
+        sizes[meta.properties.dtype] += meta.size.numel()
+    yield from _in_one_dtype(_megatron_tensors(reader, stored, m), max(sizes, key=sizes.get))
+
+
+def _in_one_dtype(tensors: Tensors, dtype: torch.dtype) -> Tensors:
+    """A tensor of another floating dtype than most of the model's (norms a converter kept in fp32
+    beside bf16 matrices) in that dtype when the cast is exact, so that the directory has one dtype
+    as transformers' own; else as it is (nothing is rounded)."""
+    for name, tensor in tensors:
+        if tensor.is_floating_point() and tensor.dtype != dtype:
+            cast = tensor.to(dtype)
+            if torch.equal(cast.to(tensor.dtype), tensor):
+                tensor = cast
+        yield name, tensor
+
+
+def _megatron_tensors(reader, stored: dict, m: ModelConfig) -> Tensors:
+    import torch.distributed.checkpoint as dcp
+
+    stacked = {key: meta for key, meta in stored.items() if key.startswith(_LAYERS)}
 
     def load(templates: dict, offsets: dict) -> dict:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
