@@ -217,3 +217,37 @@ def test_a_minority_dtype_joins_the_models_only_when_exact():
     got = dict(_in_one_dtype(iter([("norm", exact), ("odd", inexact), ("ids", torch.arange(3))]), torch.bfloat16))
     assert got["norm"].dtype == torch.bfloat16 and torch.equal(got["norm"].float(), exact)
     assert got["odd"].dtype == torch.float32 and got["ids"].dtype == torch.int64
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model, dtype",
+    [(["model=tiny"], torch.bfloat16), (["model=tiny"], torch.float32), (GPT2_TINY, torch.float32)],
+    ids=["llama_bf16", "llama_fp32", "gpt2_tied"],
+)
+def test_hf_to_megatron_to_hf_is_bit_for_bit(tmp_path, compose, model, dtype):
+    """The import (`parakit convert hf-to-megatron`) then the export give back the very files'
+    tensors: names, dtypes and bits (random weights; bf16 norms included)."""
+    import subprocess
+    import sys
+
+    from safetensors.torch import load_file
+
+    if "convert" not in cli.COMMANDS:
+        pytest.skip("needs `parakit convert hf-to-megatron` (the HF import)")
+    cfg = compose(*model)
+    hf, meg, back = tmp_path / "hf", tmp_path / "megatron", tmp_path / "back"
+    original = _model(cfg)
+    with torch.no_grad():
+        for param in original.parameters():
+            param.normal_(0, 0.05)  # norms too: not all ones
+    original.to(dtype).save_pretrained(hf)
+    convert = [sys.executable, "-m", "toolkit.cli", "convert", "hf-to-megatron", str(hf), "--output", str(meg)]
+    result = subprocess.run(convert, capture_output=True, text=True, timeout=600, cwd=tmp_path)
+    assert result.returncode == 0, result.stderr[-3000:]
+    run = _run_dir(tmp_path, cfg)
+    assert _export(meg, "--config", run / "config.yaml", "-o", back, "--no-tokenizer") == 0
+    before, after = (load_file(d / "model.safetensors") for d in (hf, back))
+    assert sorted(before) == sorted(after)
+    for name, tensor in before.items():
+        assert after[name].dtype == tensor.dtype and torch.equal(after[name].view(-1), tensor.view(-1)), name
