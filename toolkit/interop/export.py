@@ -119,10 +119,12 @@ def locate(path: Path, step: int | None = None, config: Path | None = None) -> C
     except Exception as error:  # omegaconf's errors carry the key and the file
         raise ExportError(f"{config_path} is not a parakit run config: {error}") from None
     if path.name.startswith("step_") or (path / ckpt.MANIFEST).exists():  # one published step
-        directory, root = _checked(path, path.parent), path.parent
+        directory = _checked(path, path.parent)
         if step is not None and path.name != ckpt.step_name(step):
             raise ExportError(f"{path} is not the checkpoint of --step {step}: pass the run or its checkpoints/")
     elif _backend_of(path):  # a bare checkpoint: the weights themselves, no manifest
+        if step is not None:
+            raise ExportError(f"{path} is one checkpoint, without steps: leave out --step {step}")
         directory = path
     else:
         root = path if _steps_in(path) or path.name == "checkpoints" else checkpoint_root(cfg, path)
