@@ -4,9 +4,9 @@ parameters gathered from its last checkpoint -- in fp32 with dropout off and ide
 weights (loaded resharded from one dist checkpoint), with no warmup, so that every step updates
 every parameter (asserted on the reference run). Layouts share their runs with the features that
 must change nothing either: selective and full recompute, and one micro-batch per step instead of
-eight accumulated. bf16 and the README demo learn on the real corpus; the demo's checkpoint (tp2 pp2 vpp2) exported
-to transformers reproduces its loss; a wrong layout never starts a process. Mutation: doubled
-gradients in a multi-rank run are caught."""
+eight accumulated. bf16 and the README demo learn on the real corpus; the demo's checkpoint (tp2
+pp2 vpp2) exported to transformers reproduces its loss; a wrong layout never starts a process.
+Mutation: doubled gradients in a multi-rank run are caught."""
 
 import json
 import subprocess
