@@ -220,6 +220,12 @@ def _convert(cfg, opts) -> int:
     return 0
 
 
+def _export(cfg, opts) -> int:
+    from toolkit.interop.export import run_export
+
+    return run_export(opts)
+
+
 def _plan(cfg, opts) -> int:
     from toolkit.plan.report import plan_command
 
@@ -273,6 +279,22 @@ COMMANDS = {
             "what the planned GPUs consume (exit 3 when the loader would starve them)",
             _data_bench,
             options=(Option(("--steps",), dict(type=_positive_int, default=20, metavar="N", help="steps to time")),),
+        ),
+        Command(
+            "export",
+            "write a run's checkpoint (megatron at any layout, DeepSpeed ZeRO 0-3 or pipeline) as a Hugging Face "
+            "directory: safetensors shards, config.json, tokenizer files",
+            _export,
+            hydra=False,
+            options=(
+                Option(("path",), dict(metavar="RUN_DIR_OR_CHECKPOINT", help="a run, its checkpoints/, a step")),
+                Option(("--output", "-o"), dict(required=True, metavar="HF_DIR", help="written whole; must not exist")),
+                Option(("--step",), dict(type=_positive_int, metavar="N", help="default: the newest intact one")),
+                Option(("--config",), dict(metavar="FILE", help="the run's config.yaml (default: found beside PATH)")),
+                Option(("--tokenizer",), dict(metavar="DIR", help="tokenizer to ship (default: the training data's)")),
+                Option(("--no-tokenizer",), dict(action="store_true", help="weights and configs only")),
+                Option(("--max-shard-size",), dict(default="5GB", metavar="SIZE", help="e.g. 500MB (default: 5GB)")),
+            ),
         ),
         Command(
             "train",

@@ -74,6 +74,30 @@ def pipeline_layers(model, family: str) -> list[nn.Module]:
     ]
 
 
+def hf_parameter_name(m, index: int, key: str) -> str | None:
+    """The transformers name of parameter `key` of layer `index` of pipeline_layers(model) (what
+    a pipeline checkpoint's layer_XX-model_states.pt files hold); None for what every decoder
+    layer shares that is no parameter of the model (the rotary module's buffers)."""
+    if m.family == "gpt2":
+        first = {"tokens.weight": "transformer.wte.weight", "positions.weight": "transformer.wpe.weight"}
+        last = {"norm.weight": "transformer.ln_f.weight", "norm.bias": "transformer.ln_f.bias"}
+        body = "transformer.h"
+    else:
+        first, last = {"tokens.weight": "model.embed_tokens.weight"}, {"norm.weight": "model.norm.weight"}
+        body = "model.layers"
+    last["head.weight"] = "lm_head.weight"
+    if index in (0, m.num_layers + 1):
+        names = first if index == 0 else last
+        if key not in names:
+            raise ValueError(f"pipeline layer {index} holds {key}, which is no parameter of model {m.name}")
+        return names[key]
+    if key.startswith("rotary."):
+        return None
+    if not key.startswith("layer."):
+        raise ValueError(f"pipeline layer {index} holds {key}, which is no parameter of model {m.name}")
+    return f"{body}.{index - 1}.{key.removeprefix('layer.')}"
+
+
 class _PipeLoss:
     """The last stage's loss; `poison` makes it NaN (train.fault.nan_at_step)."""
 
