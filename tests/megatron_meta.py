@@ -5,6 +5,7 @@ real module shapes for any tp x pp x vpp layout, in one process, with no memory 
 from __future__ import annotations
 
 import dataclasses
+import os
 from contextlib import contextmanager
 
 import torch
@@ -58,6 +59,10 @@ def meta_chunks(cfg, tp: int = 1, pp: int = 1, vpp: int = 1, stage: int = 0, fir
         fp16=False,
     )
     sections["transformer"].update(fp8=None, transformer_impl="local", init_model_with_meta_device=True)
+    # GPTModel sets NVTE_*_ATTN for its attention backend and asserts that they agree with it: a
+    # model of another backend built earlier in this process would fail the check.
+    for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
+        os.environ.pop(name, None)
     # Megatron orders ranks tp-fastest: global rank = stage * tp + tensor rank (dp=1, cp=1).
     with fake_rank(stage * tp, tp * pp, tp, pp, vpp), torch.device("meta"):
         yield build_model_chunks(sections)
