@@ -8,7 +8,6 @@ model.safetensors) that `backend=deepspeed model.hf_path=...` or transformers ca
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import os
 from pathlib import Path
 
@@ -32,29 +31,13 @@ def main() -> None:
     from toolkit.interop.convert import megatron_to_hf
     from toolkit.interop.hf import hf_config
     from toolkit.plan.layout import resolve
+    from toolkit.train.hf_convert import single_process
     from toolkit.train.megatron_model import build_model_chunks
     from toolkit.train.trainer import load_run_config
 
     cfg = load_run_config(args.config.parent, args.config.stem)
     # One process holds the whole model: tp = pp = 1 (dist_checkpointing reshards on load).
-    cfg = dataclasses.replace(
-        cfg,
-        parallel=dataclasses.replace(
-            cfg.parallel,
-            tp=1,
-            pp=1,
-            vpp=1,
-            cp=1,
-            dp=None,
-            sequence_parallel=False,
-            first_stage_layers=None,
-            last_stage_layers=None,
-        ),
-        cluster=dataclasses.replace(cfg.cluster, device="cpu", nodes=1, gpus_per_node=1),
-        precision=dataclasses.replace(cfg.precision, dtype="fp32"),
-        zero=dataclasses.replace(cfg.zero, stage=0),
-        train=dataclasses.replace(cfg.train, global_batch=cfg.train.micro_batch, grad_accum=None),
-    )
+    cfg = single_process(cfg)
     os.environ.update(
         MASTER_ADDR="127.0.0.1", MASTER_PORT=os.environ.get("MASTER_PORT", "29561"), RANK="0", WORLD_SIZE="1"
     )
