@@ -59,13 +59,26 @@ def meta_chunks(cfg, tp: int = 1, pp: int = 1, vpp: int = 1, stage: int = 0, fir
         fp16=False,
     )
     sections["transformer"].update(fp8=None, transformer_impl="local", init_model_with_meta_device=True)
-    # GPTModel sets NVTE_*_ATTN for its attention backend and asserts that they agree with it: a
-    # model of another backend built earlier in this process would fail the check.
-    for name in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN"):
-        os.environ.pop(name, None)
     # Megatron orders ranks tp-fastest: global rank = stage * tp + tensor rank (dp=1, cp=1).
-    with fake_rank(stage * tp, tp * pp, tp, pp, vpp), torch.device("meta"):
+    with attention_env_untouched(), fake_rank(stage * tp, tp * pp, tp, pp, vpp), torch.device("meta"):
         yield build_model_chunks(sections)
+
+
+ATTENTION_ENV = ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN", "NVTE_UNFUSED_ATTN")
+
+
+@contextmanager
+def attention_env_untouched():
+    """GPTModel sets NVTE_*_ATTN for its attention backend, and asserts that values already set
+    agree with it: build without the test process's values, and leave them as they were (the
+    training runs the tests start inherit this process's environment)."""
+    saved = {name: os.environ.pop(name) for name in ATTENTION_ENV if name in os.environ}
+    try:
+        yield
+    finally:
+        for name in ATTENTION_ENV:
+            os.environ.pop(name, None)
+        os.environ.update(saved)
 
 
 def megatron_rank_params(

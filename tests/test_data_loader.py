@@ -53,11 +53,11 @@ def test_default_workers_follow_the_device(compose):
 
 
 def test_data_bench_compares_the_loader_with_the_planned_gpus(capsys):
-    """Measured supply against the planner's demand: a CPU rank keeps up with the bundled corpus
-    (exit 0); GPUs 10^9 times faster than a CPU would be starved (exit 3), and it says so."""
+    """Measured supply against the planner's demand: a CPU rank keeps up with its loader (exit 0);
+    GPUs 10^9 times faster than a CPU would be starved (exit 3), and it says so."""
     from toolkit.cli import main
 
-    assert main(["data", "bench", "cluster.gpus_per_node=1", "--steps", "5"]) == 0
+    assert main(["data", "bench", "cluster.gpus_per_node=1", "data=synthetic", "--steps", "5"]) == 0
     out = capsys.readouterr().out
     supplied, consumed = (float(x.replace(",", "")) for x in re.findall(r"([\d,.]+) samples/s", out)[:2])
     assert "keeps up" in out and supplied > consumed > 0
