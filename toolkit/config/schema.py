@@ -400,9 +400,19 @@ class CheckpointConfig:
     save_seconds: Optional[float] = None
 
 
+class MemoryCheck(StrEnum):
+    """What the validator does when the predicted peak memory exceeds the device."""
+
+    error = "error"
+    warn = "warn"
+    off = "off"
+
+
 @dataclass
 class ChecksConfig:
     """Thresholds of the validator's warnings."""
+
+    memory: MemoryCheck = MemoryCheck.error  # a layout predicted not to fit in cluster.gpu_memory_gb
 
     max_bubble_fraction: float = 0.25  # warn when (pp-1)/(vpp*m) exceeds this
     min_microbatches_per_stage: int = 4  # warn when micro-batches < this * pp

@@ -62,7 +62,7 @@ def _table(rows: list[tuple]) -> str:
 
 
 def configured_estimate(cfg: Config) -> dict:
-    report = validate(cfg, data=False)  # the layout's estimate: the data plays no part
+    report = validate(cfg, data=False, memory=False)  # the estimate says whether it fits
     if not report.ok:
         return {"valid": False, "errors": [str(e) for e in report.errors]}
     layout = resolve(cfg)

@@ -217,7 +217,7 @@ def search(cfg: Config) -> SearchResult:
         capacity = cfg.cluster.gpu_memory_gb * 1e9 * (1 - HEADROOM)
         if memory.total > capacity and smallest is not None and memory.total >= smallest.memory.total:
             continue  # neither fits nor beats the smallest seen: skip the costly part
-        if not validate(candidate_cfg, data=False).ok:  # a layout does not depend on the data
+        if not validate(candidate_cfg, data=False, memory=False).ok:  # a layout does not depend on the data
             continue
         valid += 1
         candidate = Candidate(candidate_cfg, layout, memory, estimate_step(candidate_cfg, layout))

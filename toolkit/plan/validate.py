@@ -23,6 +23,7 @@ from toolkit.config.schema import TOKENIZER_VOCAB, Config, DataName
 from toolkit.data.manifest import parse_blend, read_manifest
 from toolkit.interop import hf_arch
 from toolkit.plan.backends import backend_of, supporting
+from toolkit.plan.fit import memory_problem
 from toolkit.plan.layout import (
     Layout,
     bubble_fraction,
@@ -937,16 +938,34 @@ _ERROR_RULES: tuple[Callable[[Config], Iterator[Violation]], ...] = (
 )
 
 
-def validate(cfg: Config, *, data: bool = True) -> Report:
+def _memory(cfg: Config) -> Iterator[Violation]:
+    """Will it fit: the planner's peak memory on the busiest rank against the device's
+    (toolkit.plan.fit names the largest term and the smallest change that fits)."""
+    if cfg.checks.memory == "off":
+        return
+    problem = memory_problem(cfg)
+    if problem:
+        severity = _err if problem.certain and cfg.checks.memory == "error" else _warn
+        yield severity("memory", problem.fields, problem.message, problem.fix)
+
+
+def validate(cfg: Config, *, data: bool = True, memory: bool = True) -> Report:
     """Every error and warning of `cfg`, at once. `data=False` leaves out the rules about the
-    training data (the layout search: a layout does not depend on the data)."""
+    training data (the layout search: a layout does not depend on the data); `memory=False` the
+    memory check (the search weighs memory itself)."""
     errors = list(_ranges(cfg))
     if not any(e.rule == "range" for e in errors):  # the other rules divide by these values
         for rule in _ERROR_RULES:
             errors.extend(rule(cfg))
         if data:
             errors.extend(_data(cfg))
-    warnings = [] if errors else list(_warnings(cfg, resolve(cfg)))
+    warnings = []
+    if not errors and memory:
+        found = list(_memory(cfg))
+        errors += [v for v in found if v.severity == ERROR]
+        warnings += [v for v in found if v.severity != ERROR]
+    if not errors:
+        warnings += list(_warnings(cfg, resolve(cfg)))
     return Report(tuple(errors), tuple(warnings))
 
 
