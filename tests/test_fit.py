@@ -32,7 +32,7 @@ def test_the_fix_is_the_smallest_change_that_fits_and_applying_it_fits(compose):
             ["model=llama3_8b", "cluster=8xh100", "precision=bf16", "backend=deepspeed", "zero=0"],
             "zero=1 recompute=full",
         ),
-        (["model=llama3_70b", "cluster=8xh100", "cluster.nodes=4", "parallel.tp=8"], "parallel.pp=2"),
+        (["model=llama3_70b", "cluster=8xh100", "cluster.nodes=4", "parallel.tp=8"], "recompute=full parallel.pp=4"),
     ]
     for overrides, expected in cases:
         (violation,) = memory_rule(compose(*overrides))
