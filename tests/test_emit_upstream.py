@@ -83,6 +83,7 @@ def test_upstream_accepts_every_valid_composition(compose, model, cluster):
         "optim.warmup_steps=100",
         "model.seq_length=1024" if model != "tiny" else "model.seq_length=128",
         "data=synthetic",  # the layouts, not the data: mistral_7b's 32000 tokens < the corpus's GPT-2 BPE
+        "checks.memory=off",  # and what upstream accepts, not what fits (tests/test_fit.py)
     )
     accepted = 0
     for cfg in variants(base):

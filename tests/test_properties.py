@@ -126,7 +126,9 @@ def plausible_overrides(draw):
     # megatron-core's sliding-window attention runs through Transformer Engine (CUDA only).
     backend = draw(st.sampled_from(BACKENDS if cuda or not m.sliding_window else ["deepspeed"]))
     megatron = backend == "megatron"
-    out = [f"model={name}", f"cluster={cluster}", f"backend={backend}"]
+    # Whether the layout fits in memory is the planner's question, not the upstream libraries':
+    # the memory rule is tested in tests/test_fit.py.
+    out = [f"model={name}", f"cluster={cluster}", f"backend={backend}", "checks.memory=off"]
     # The default data is the GPT-2 BPE corpus: a model with fewer tokens trains on synthetic ones.
     if m.vocab_size < TOKENIZER_VOCAB[Tokenizer.gpt2]:
         out.append("data=synthetic")

@@ -22,7 +22,7 @@ FLAGS = {
     for line in (Path(__file__).parent / "data" / "megatron_lm_flags.txt").read_text().split()
     if line.startswith("--")
 }
-ONE_NODE = ("cluster=8xh100", "train.global_batch=256", "data=synthetic")
+ONE_NODE = ("cluster=8xh100", "train.global_batch=256", "data=synthetic", "checks.memory=off")  # RoPE, not memory
 
 # model overrides -> the llama3 scaling they must carry (None: plain RoPE)
 CASES = {

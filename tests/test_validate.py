@@ -286,6 +286,13 @@ def _case_id(case):
     return f"{case[0]}:{' '.join(case[1])}"
 
 
+@pytest.fixture
+def compose(compose):
+    """The cases here leave the memory check out: many use big models on few GPUs to reach their
+    rule (tests/test_fit.py tests the memory rule, with its own neighbours)."""
+    return lambda *overrides: compose("checks.memory=off", *overrides)
+
+
 @pytest.mark.parametrize("rule,bad,good,field", ERROR_CASES, ids=map(_case_id, ERROR_CASES))
 def test_error_rule_rejects_with_field_and_fix(compose, rule, bad, good, field):
     report = validate(compose(*bad))
