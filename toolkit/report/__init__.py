@@ -1,1 +1,0 @@
-"""Sweeps and what runs leave behind: measured rows beside the planner's predictions."""
