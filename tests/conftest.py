@@ -41,3 +41,14 @@ def big_tokenizer(tmp_path_factory, corpus_jsonl):
     from data_corpus import train_big_tokenizer
 
     return train_big_tokenizer(corpus_jsonl, tmp_path_factory.mktemp("tokenizer") / "bpe76k")
+
+
+@pytest.fixture(scope="session")
+def prepared_corpus(tmp_path_factory, corpus_jsonl, big_tokenizer):
+    """That corpus prepared with that tokenizer by `parakit data prepare` (2 workers): a prefix."""
+    from toolkit.cli import main
+
+    prefix = tmp_path_factory.mktemp("prepared") / "kjv76k"
+    args = ["data", "prepare", str(corpus_jsonl), "--output", str(prefix), "--tokenizer", str(big_tokenizer)]
+    assert main([*args, "--workers", "2"]) == 0
+    return prefix

@@ -1,9 +1,9 @@
 """Training on your own data, end to end: a 4 MB jsonl corpus, a tokenizer that is not GPT-2 with
-76,000 tokens, prepared by `parakit data prepare`, trained on both backends with a validation loss
-that falls, and (megatron) resumed after a rank dies (torchrun restarts the job from the newest
-checkpoint).
+76,000 tokens, prepared by `parakit data prepare` (tests/conftest.py prepared_corpus), trained
+with a validation loss that falls, and resumed after a rank dies (torchrun restarts the job from
+the newest checkpoint); the DeepSpeed backend trains on it in tests/test_train_deepspeed.py.
 
-One launch per backend; on megatron rank 1 dies at the start of step 12, torchrun restarts the
+On megatron rank 1 dies at the start of step 12, torchrun restarts the
 ranks, they resume from the step-8 checkpoint and finish. Both attempts print every step's loss, so steps
 9-11 are seen twice: the same data order and random state give the same losses (printed to 4
 decimals; a shifted sample order or a lost optimizer state changes them by 1e-2 or more).
@@ -17,19 +17,9 @@ import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 from training_runs import Trained, run
 
-from toolkit.cli import main
-
 pytestmark = pytest.mark.slow
 
 STEPS, EVAL_EVERY, SAVE_EVERY, KILL_AT = 16, 4, 8, 12
-
-
-@pytest.fixture(scope="module")
-def prepared(tmp_path_factory, corpus_jsonl, big_tokenizer):
-    prefix = tmp_path_factory.mktemp("prepared") / "kjv76k"
-    args = ["data", "prepare", str(corpus_jsonl), "--output", str(prefix), "--tokenizer", str(big_tokenizer)]
-    assert main([*args, "--workers", "2"]) == 0
-    return prefix
 
 
 def common(prefix) -> list[str]:
@@ -49,34 +39,35 @@ def common(prefix) -> list[str]:
     ]
 
 
-# megatron also loses a rank at step 12 and resumes from its step-8 checkpoint; resuming the
-# DeepSpeed backend is tested on the bundled corpus (tests/test_faults_deepspeed.py).
+# megatron also loses a rank at step 12 and resumes from its step-8 checkpoint. The DeepSpeed
+# backend trains on the same prepared corpus in tests/test_train_deepspeed.py (ZeRO-3), and its
+# resume is tested on the bundled corpus (tests/test_faults_deepspeed.py).
 KILLED = [
     f"checkpoint.interval_steps={SAVE_EVERY}",
     "train.fault.kill_rank=1",
     f"train.fault.kill_at_step={KILL_AT}",
     "train.fault.max_restarts=1",
 ]
-BACKENDS = {"megatron": ["parallel.tp=2", *KILLED], "deepspeed": ["backend=deepspeed", "zero=2"]}
 
 
-@pytest.mark.parametrize("backend", BACKENDS)
-def test_own_corpus_trains_with_falling_validation_loss(tmp_path, prepared, backend):
-    result = run(tmp_path, backend, *common(prepared), *BACKENDS[backend])
+def test_own_corpus_trains_on_megatron_with_falling_validation_loss_and_resumes(tmp_path, prepared_corpus):
+    result = run(tmp_path, "megatron", *common(prepared_corpus), "parallel.tp=2", *KILLED)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     trained = Trained(result.run_dir)
     assert "data: corpus (" in result.stdout and "tokenizer " in result.stdout and "vocab 76,000" in result.stdout
-    if backend == "megatron":
-        assert_resumed_exactly(trained, result.stdout)
+    assert_resumed_exactly(trained, result.stdout)
+    assert_validation_falls(trained, result.run_dir)
 
-    # the validation loss: every EVAL_EVERY steps, falling, in metrics.jsonl and result.json
+
+def assert_validation_falls(trained: Trained, run_dir) -> None:
+    """Every EVAL_EVERY steps and after the last, falling, in metrics.jsonl, TensorBoard and result.json."""
     evaluations = trained.evaluations
     assert [r["step"] for r in evaluations] == list(range(EVAL_EVERY, STEPS + 1, EVAL_EVERY))
     val = [r["val_loss"] for r in evaluations]
     assert all(later < earlier for earlier, later in zip(val, val[1:])), val
     assert val[0] < 11.3 and val[-1] < val[0] - 0.7, val  # from ln(76000) = 11.24: it learns
     assert trained.result["final_val_loss"] == val[-1]
-    board = EventAccumulator(str(result.run_dir / "tensorboard"))
+    board = EventAccumulator(str(run_dir / "tensorboard"))
     board.Reload()
     logged = {e.step: e.value for e in board.Scalars("val/loss")}
     assert sorted(logged) == [r["step"] for r in evaluations]
