@@ -349,5 +349,5 @@ def test_whatever_validator_accepts_upstream_accepts():
 
 @pytest.mark.slow
 def test_whatever_validator_accepts_upstream_accepts_many():
-    # A few hundred examples reach every model, cluster, ZeRO preset, precision and recompute.
-    _plausible_mostly_accepted(200, every_option=True)
+    # 120 examples reach every model, cluster, ZeRO preset, precision and recompute (checked with CI=true).
+    _plausible_mostly_accepted(120, every_option=True)
