@@ -195,20 +195,15 @@ def _data_bench(cfg, opts) -> int:
 
 
 def _convert(cfg, opts) -> int:
+    from toolkit.interop.hf_arch import HfConfigError
     from toolkit.train.hf_convert import convert_hf_to_megatron
     from toolkit.train.trainer import quiet_upstream_notices
-
-    if opts.direction is None or opts.hf_dir is None or opts.output is None:
-        usage = "parakit convert hf-to-megatron HF_DIR --output DIR [OVERRIDES...]"
-        print(f"parakit convert: usage: {usage}", file=sys.stderr)
-        return 2
-    from toolkit.interop.hf_arch import HfConfigError
 
     quiet_upstream_notices()
     try:
         stats = convert_hf_to_megatron(cfg, opts.output)
     except HfConfigError as e:
-        print(f"parakit convert: {e}", file=sys.stderr)
+        print(f"parakit convert hf-to-megatron: {e}", file=sys.stderr)
         return 1
     mib = {k: v / 2**20 for k, v in stats.items() if k.endswith("_bytes")}
     print(
@@ -304,16 +299,15 @@ COMMANDS = {
             writes=True,
         ),
         Command(
-            "convert",
-            "hf-to-megatron HF_DIR --output DIR: write a Hugging Face model directory as a megatron-core "
-            "dist checkpoint that train.init_checkpoint loads at any tp/pp/vpp (model=hf model.hf_path=HF_DIR)",
+            "convert hf-to-megatron",
+            "HF_DIR --output DIR: write a Hugging Face model directory as a megatron-core dist checkpoint that "
+            "train.init_checkpoint loads at any tp/pp/vpp (model=hf model.hf_path=HF_DIR)",
             _convert,
             options=(
-                Option(("direction",), dict(nargs="?", choices=["hf-to-megatron"], help="what to convert")),
-                Option(("hf_dir",), dict(nargs="?", metavar="HF_DIR", help="a local Hugging Face model directory")),
-                Option(("--output",), dict(metavar="DIR", help="where the checkpoint goes")),
+                Option(("hf_dir",), dict(metavar="HF_DIR", help="a local Hugging Face model directory")),
+                Option(("--output",), dict(required=True, metavar="DIR", help="where the checkpoint goes")),
             ),
-            compose_with=lambda o: ["model=hf", f"model.hf_path={Path(o.hf_dir).resolve()}"] if o.hf_dir else [],
+            compose_with=lambda o: ["model=hf", f"model.hf_path={Path(o.hf_dir).resolve()}"],
         ),
     )
 }
