@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import sys
 import textwrap
+import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
@@ -47,6 +48,7 @@ class Command:
     options: tuple[Option, ...] = ()
     writes: bool = False  # writes a run directory (else: no run directory, no log file)
     hydra: bool = True  # composes a configuration from overrides (else: its own options only)
+    multirun: bool = False  # always a Hydra multirun: one job per point of the overrides' grid
     # Overrides that come before the user's, from the parsed options (`convert`: model=hf ...).
     compose_with: Callable[[argparse.Namespace], list[str]] | None = None
 
@@ -221,6 +223,21 @@ def _export(cfg, opts) -> int:
     return run_export(opts)
 
 
+def _sweep(cfg, opts) -> int:
+    """One point of the sweep (a Hydra job): validated, trained, measured, recorded."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from toolkit.report.sweep import run_point
+
+    hc = HydraConfig.get()
+    row = run_point(cfg, list(hc.overrides.task), Path(hc.runtime.output_dir), Path(hc.sweep.dir), opts.sweep)
+    opts.sweep_done += 1
+    from toolkit.report.sweep import progress_line
+
+    print(progress_line(row, opts.sweep_done, opts.sweep), flush=True)
+    return 0  # a failed point is recorded, never the sweep's failure
+
+
 def _plan(cfg, opts) -> int:
     from toolkit.plan.report import plan_command
 
@@ -289,6 +306,25 @@ COMMANDS = {
                 Option(("--tokenizer",), dict(metavar="DIR", help="tokenizer to ship (default: the training data's)")),
                 Option(("--no-tokenizer",), dict(action="store_true", help="weights and configs only")),
                 Option(("--max-shard-size",), dict(default="5GB", metavar="SIZE", help="e.g. 500MB (default: 5GB)")),
+            ),
+        ),
+        Command(
+            "sweep",
+            "train each point of a grid of overrides (Hydra's multirun syntax: parallel.tp=1,2 zero=0,1) for a "
+            "short profiling run; record measured and predicted step time, tokens/s, MFU and memory in "
+            "sweep.csv and sweep.json under hydra.sweep.dir (a re-run skips recorded points)",
+            _sweep,
+            writes=True,
+            multirun=True,
+            options=(
+                Option(
+                    ("--warmup-steps",),
+                    dict(type=int, default=2, metavar="N", help="steps left out of the timing (default 2)"),
+                ),
+                Option(
+                    ("--timeout",),
+                    dict(type=float, default=900.0, metavar="S", help="seconds a point may run (default 900)"),
+                ),
             ),
         ),
         Command(
@@ -380,6 +416,12 @@ def _run_hydra_app(command: Command, opts: argparse.Namespace, args: list[str]) 
         user_keys = {o.split("=", 1)[0].lstrip("+~") for o in args}
         extra = ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=none", "hydra/hydra_logging=none"]
         overrides += [o for o in extra if o.split("=", 1)[0] not in user_keys]
+    if command.multirun:
+        from toolkit.report.sweep import SweepOptions, grid_size
+
+        overrides = ["--multirun", *overrides]
+        opts.sweep = SweepOptions(opts.warmup_steps, opts.timeout, grid_size(args), time.monotonic())
+        opts.sweep_done = 0
     register_schema()
     codes = [0]  # one per job: a multirun exits with the worst
 

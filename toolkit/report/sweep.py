@@ -1,0 +1,248 @@
+"""`parakit sweep`: every point of a Hydra multirun grid validated, trained for a short profiling
+run, measured, and recorded beside the planner's prediction in SWEEP_DIR/sweep.csv and sweep.json.
+
+A point is one Hydra job (`hydra.sweep.dir`/`hydra.job.num`). Invalid points are recorded with
+their rules and never start (a layout predicted not to fit is invalid unless checks.memory=warn).
+A valid point trains in a subprocess (torchrun, as `parakit train` starts it) under a time limit;
+its exit is classified ok / out_of_memory / failed / timed_out, with the last lines of its log,
+and a failure never stops the sweep. Rows are rewritten as points finish (under a file lock, so
+jobs of a Slurm array can share the directory), and a point already recorded is skipped when the
+same sweep runs again.
+"""
+
+from __future__ import annotations
+
+import csv
+import fcntl
+import io
+import json
+import os
+import statistics
+import subprocess
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+from toolkit.config.schema import Config
+from toolkit.plan.layout import Layout, resolve
+from toolkit.plan.memory import GIB, peak_memory
+from toolkit.plan.perf import estimate_step
+
+COLUMNS = (
+    "point",
+    "status",
+    "backend",
+    "tp",
+    "pp",
+    "vpp",
+    "cp",
+    "dp",
+    "zero",
+    "micro_batch",
+    "recompute",
+    "precision",
+    "world_size",
+    "step_time_s",
+    "tokens_per_s",
+    "tflops_per_gpu",
+    "mfu",
+    "memory_gib",
+    "final_loss",
+    "predicted_step_time_s",
+    "predicted_tokens_per_s",
+    "predicted_memory_gib",
+    "seconds",
+    "run_dir",
+    "error",
+)
+FINISHED = ("ok", "out_of_memory", "failed", "timed_out", "invalid")
+OOM_SIGNS = ("CUDA out of memory", "OutOfMemoryError", "out of memory", "Cannot allocate memory")
+
+
+@dataclass
+class SweepOptions:
+    warmup_steps: int = 2  # steps left out of the timing (start-up, first allocations)
+    timeout_s: float = 900.0  # a point that runs longer is stopped and recorded as timed_out
+    total_points: int | None = None  # for the progress line
+    started: float = 0.0
+
+
+def point_key(overrides: list[str]) -> str:
+    """The point's own overrides, sorted: the same point has the same key in a re-run."""
+    return " ".join(sorted(o for o in overrides if not o.startswith("hydra.")))
+
+
+def _layout_fields(cfg: Config, layout: Layout | None) -> dict:
+    lay = layout
+    return {
+        "backend": str(cfg.backend.name),
+        "tp": lay.tp if lay else cfg.parallel.tp,
+        "pp": lay.pp if lay else cfg.parallel.pp,
+        "vpp": lay.vpp if lay else cfg.parallel.vpp,
+        "cp": lay.cp if lay else cfg.parallel.cp,
+        "dp": lay.dp if lay else cfg.parallel.dp,
+        "zero": cfg.zero.stage,
+        "micro_batch": cfg.train.micro_batch,
+        "recompute": str(cfg.recompute.granularity),
+        "precision": str(cfg.precision.dtype),
+        "world_size": lay.world_size if lay else None,
+    }
+
+
+def _predicted(cfg: Config, layout: Layout) -> dict:
+    step = estimate_step(cfg, layout)
+    return {
+        "predicted_step_time_s": step.step_time,
+        "predicted_tokens_per_s": step.tokens_per_s,
+        "predicted_memory_gib": peak_memory(cfg, layout).total / GIB,
+    }
+
+
+def measured(run_dir: Path, warmup_steps: int) -> dict:
+    """Medians over the steps after the warm-up (all steps when the run is shorter), the peak
+    memory over all of them, and the last loss, from the run's metrics.jsonl."""
+    log = run_dir / "metrics.jsonl"
+    records = [r for r in map(json.loads, log.read_text().splitlines()) if "loss" in r] if log.exists() else []
+    if not records:
+        return {}
+    timed = records[warmup_steps:] or records
+
+    def median(key):
+        return statistics.median(r[key] for r in timed)
+
+    return {
+        "step_time_s": median("step_time_s"),
+        "tokens_per_s": median("tokens_per_s"),
+        "tflops_per_gpu": median("tflops_per_gpu"),
+        "mfu": median("mfu"),
+        "memory_gib": max(r["memory_gib"] for r in records),
+        "final_loss": records[-1]["loss"],
+    }
+
+
+def _status(returncode: int | None, log_tail: str) -> str:
+    if returncode is None:
+        return "timed_out"
+    if returncode == 0:
+        return "ok"
+    return "out_of_memory" if any(sign in log_tail for sign in OOM_SIGNS) else "failed"
+
+
+def _train(cfg: Config, layout: Layout, run_dir: Path, timeout_s: float) -> tuple[int | None, str]:
+    """Train the point in its own process group (torchrun for every world size: a crash or a
+    hang stays there); (exit code or None on timeout, the log's last lines)."""
+    from toolkit.train.launch import torchrun_command
+
+    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
+    if cfg.cluster.device == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+    command = torchrun_command(layout, run_dir, layout.world_size, cfg.train.fault.max_restarts)
+    log = run_dir / "train.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            code = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            code = None
+        finally:
+            try:
+                os.killpg(proc.pid, 9)
+            except ProcessLookupError:
+                pass
+            proc.wait()
+    lines = log.read_text(errors="replace").splitlines()
+    return code, "\n".join(lines[-15:])
+
+
+@contextmanager
+def _locked(sweep_dir: Path):
+    sweep_dir.mkdir(parents=True, exist_ok=True)
+    with open(sweep_dir / ".sweep.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
+def read_rows(sweep_dir: Path) -> list[dict]:
+    path = sweep_dir / "sweep.json"
+    return json.loads(path.read_text())["points"] if path.exists() else []
+
+
+def record(sweep_dir: Path, row: dict) -> None:
+    """Add or replace the point's row; sweep.json and sweep.csv rewritten atomically."""
+    from toolkit.emit.files import write_atomic
+
+    with _locked(sweep_dir):
+        rows = [r for r in read_rows(sweep_dir) if r["point"] != row["point"]] + [row]
+        write_atomic(sweep_dir / "sweep.json", json.dumps({"points": rows}, indent=2) + "\n")
+        text = io.StringIO()
+        writer = csv.DictWriter(text, fieldnames=COLUMNS, extrasaction="ignore")
+        writer.writeheader()
+        writer.writerows(rows)
+        write_atomic(sweep_dir / "sweep.csv", text.getvalue())
+
+
+def run_point(cfg: Config, overrides: list[str], run_dir: Path, sweep_dir: Path, opts: SweepOptions) -> dict:
+    """Validate, train and measure one point; its row (also recorded)."""
+    from toolkit.emit.files import write_run_files
+    from toolkit.plan.validate import validate
+
+    key = point_key(overrides)
+    done = {r["point"]: r for r in read_rows(sweep_dir)}
+    if done.get(key, {}).get("status") in FINISHED:
+        return {**done[key], "skipped": True}
+    started = time.monotonic()
+    report = validate(cfg)
+    row = {"point": key, "run_dir": str(run_dir)}
+    if not report.ok:
+        row |= _layout_fields(cfg, None) | {"status": "invalid", "error": "; ".join(map(str, report.errors))}
+    else:
+        layout = resolve(cfg)
+        write_run_files(cfg, layout, run_dir)
+        code, tail = _train(cfg, layout, run_dir, opts.timeout_s)
+        status = _status(code, tail)
+        row |= _layout_fields(cfg, layout) | _predicted(cfg, layout) | measured(run_dir, opts.warmup_steps)
+        row |= {"status": status, "error": "" if status == "ok" else tail}
+    row["seconds"] = time.monotonic() - started
+    record(sweep_dir, row)
+    return row
+
+
+def progress_line(row: dict, done: int, opts: SweepOptions) -> str:
+    elapsed = time.monotonic() - opts.started
+    total = opts.total_points
+    left = f", {total - done} left" if total else ""
+    eta = f", about {elapsed / done * (total - done):.0f} s to go" if total and done else ""
+    what = "skipped (recorded before)" if row.get("skipped") else row["status"]
+    figures = f": {row['tokens_per_s']:,.0f} tokens/s" if row.get("tokens_per_s") else ""
+    count = f"{done}/{total}" if total else f"{done}"
+    return f"sweep point {count} [{row['point']}] {what}{figures} ({elapsed:.0f} s elapsed{left}{eta})"
+
+
+def grid_size(arguments: list[str]) -> int | None:
+    """How many points Hydra's basic sweeper makes of these overrides (their product)."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    try:
+        overrides = OverridesParser.create().parse_overrides(
+            [a for a in arguments if "=" in a and not a.startswith("-")]
+        )
+    except Exception:  # Hydra reports the bad override itself when it composes
+        return None
+    size = 1
+    for o in overrides:
+        if o.is_sweep_override():
+            size *= len(list(o.sweep_string_iterator()))
+    return size
+
+
+def main_sweep_summary(sweep_dir: Path) -> str:
+    rows = read_rows(sweep_dir)
+    counts = {}
+    for r in rows:
+        counts[r["status"]] = counts.get(r["status"], 0) + 1
+    listing = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
+    return f"sweep: {len(rows)} point(s) in {sweep_dir}/sweep.csv ({listing})"
