@@ -26,7 +26,7 @@ def sweep(directory, *args):
 def swept(tmp_path_factory):
     directory = tmp_path_factory.mktemp("sweeps") / "grid"
     first = sweep(directory, *SHORT, *GRID)
-    crash = sweep(directory, *SHORT, "train.fault.kill_rank=0", "train.fault.kill_at_step=2")
+    crash = sweep(directory, *SHORT, "cluster.gpus_per_node=1", "train.fault.kill_rank=0", "train.fault.kill_at_step=2")
     again = sweep(directory, *SHORT, *GRID)
     return directory, first, crash, again
 
@@ -40,6 +40,7 @@ def test_every_point_is_recorded_with_measured_and_predicted_figures(swept):
     assert first.returncode == 0, first.stderr[-3000:]
     recorded = rows(directory)
     assert len(recorded) == 9  # 8 grid points + the crashing one
+    assert len({r["run_dir"] for r in recorded.values()}) == 9  # each point its own directory
     ok = [r for r in recorded.values() if r["status"] == "ok"]
     invalid = [r for r in recorded.values() if r["status"] == "invalid"]
     # tp=2 on one rank, and tp on deepspeed (no tensor parallel there), never start

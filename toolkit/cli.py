@@ -417,9 +417,12 @@ def _run_hydra_app(command: Command, opts: argparse.Namespace, args: list[str]) 
         extra = ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=none", "hydra/hydra_logging=none"]
         overrides += [o for o in extra if o.split("=", 1)[0] not in user_keys]
     if command.multirun:
-        from toolkit.report.sweep import SweepOptions, grid_size
+        from toolkit.report.sweep import SweepOptions, grid_size, register_point_dirs
 
+        register_point_dirs()
         overrides = ["--multirun", *overrides]
+        if not any(o.startswith("hydra.sweep.subdir=") for o in args):
+            overrides.append("hydra.sweep.subdir='${point_dir:${hydra.job.override_dirname}}'")
         opts.sweep = SweepOptions(opts.warmup_steps, opts.timeout, grid_size(args), time.monotonic())
         opts.sweep_done = 0
     register_schema()

@@ -68,6 +68,20 @@ class SweepOptions:
     started: float = 0.0
 
 
+def register_point_dirs() -> None:
+    """`${point_dir:...}` names a point's run directory by a digest of its overrides: the same
+    point keeps its directory in a re-run or a different grid over the same sweep directory
+    (Hydra's default, the job number, would hand one point's directory to another)."""
+    import hashlib
+
+    from omegaconf import OmegaConf
+
+    if not OmegaConf.has_resolver("point_dir"):
+        OmegaConf.register_new_resolver(
+            "point_dir", lambda overrides: "point-" + hashlib.sha1(str(overrides).encode()).hexdigest()[:10]
+        )
+
+
 def point_key(overrides: list[str]) -> str:
     """The point's own overrides, sorted: the same point has the same key in a re-run."""
     return " ".join(sorted(o for o in overrides if not o.startswith("hydra.")))
