@@ -1,0 +1,43 @@
+"""Scaling curves (the guide's method): double one dimension at a time and judge each doubling by
+its marginal throughput gain. Ideal is 2x per doubling; practitioners see 1.6-1.8x at scale, so
+a doubling under the threshold (default 1.6x) is where adding ranks stops paying.
+
+A scaling run is a sweep directory whose sweep.json carries a "scaling" block
+({"dimension": "dp", "mode": "weak" | "strong", "threshold": 1.6}) beside its points.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_THRESHOLD = 1.6
+
+
+@dataclass(frozen=True)
+class Doubling:
+    from_ranks: int
+    to_ranks: int
+    gain: float  # tokens/s at to_ranks over tokens/s at from_ranks (ideal: to/from)
+    efficiency: float  # gain over the ideal gain
+    below_threshold: bool
+
+
+def doublings(rows: list[dict], threshold: float = DEFAULT_THRESHOLD, key: str = "tokens_per_s") -> list[Doubling]:
+    """Successive steps of the curve (points ordered by world size; points without `key` left
+    out). The threshold is for a 2x step, scaled as a power for other steps (1.6x per 2x is
+    1.6**2 per 4x)."""
+    import math
+
+    curve = sorted((r for r in rows if r.get(key)), key=lambda r: r["world_size"])
+    out = []
+    for a, b in zip(curve, curve[1:]):
+        ideal = b["world_size"] / a["world_size"]
+        gain = b[key] / a[key]
+        wanted = threshold ** math.log2(ideal) if ideal > 1 else 1.0
+        out.append(Doubling(a["world_size"], b["world_size"], gain, gain / ideal, gain < wanted))
+    return out
+
+
+def first_below(steps: list[Doubling]) -> Doubling | None:
+    """The first doubling whose marginal gain falls under the threshold: scale no further."""
+    return next((s for s in steps if s.below_threshold), None)
