@@ -227,9 +227,16 @@ def _sweep(cfg, opts) -> int:
     """One point of the sweep (a Hydra job): validated, trained, measured, recorded."""
     from hydra.core.hydra_config import HydraConfig
 
-    from toolkit.report.sweep import run_point
+    from toolkit.report.sweep import main_sweep_summary, run_point
 
     hc = HydraConfig.get()
+    if opts.from_plan:
+        from toolkit.report.measure import measure_top, measured_table
+
+        sweep_dir = Path(hc.sweep.dir)
+        print(measured_table(measure_top(cfg, opts.from_plan, list(hc.overrides.task), sweep_dir, opts.sweep)))
+        print(main_sweep_summary(sweep_dir))
+        return 0
     row = run_point(cfg, list(hc.overrides.task), Path(hc.runtime.output_dir), Path(hc.sweep.dir), opts.sweep)
     opts.sweep_done += 1
     from toolkit.report.sweep import progress_line
@@ -238,11 +245,39 @@ def _sweep(cfg, opts) -> int:
     return 0  # a failed point is recorded, never the sweep's failure
 
 
+def _calibrate(cfg, opts) -> int:
+    from toolkit.plan.calibrate import run_calibrate
+
+    return run_calibrate(opts)
+
+
 def _plan(cfg, opts) -> int:
     from toolkit.plan.report import plan_command
 
-    return plan_command(cfg, top=opts.top, as_json=opts.json)
+    if not opts.measure:
+        return plan_command(cfg, top=opts.top, as_json=opts.json)
+    from hydra.core.hydra_config import HydraConfig
 
+    from toolkit.plan.layout import world_size
+    from toolkit.report.measure import measure_top, measured_table
+    from toolkit.report.sweep import SweepOptions
+
+    code = plan_command(cfg, top=opts.top, as_json=False)
+    if code:
+        return code
+    sweep_dir = Path(opts.sweep_dir or f"plan-measure/{cfg.model.name}-{cfg.cluster.name}-{world_size(cfg)}")
+    print(f"\nmeasuring the top {opts.measure} in {sweep_dir} (a short profiling run each):", flush=True)
+    sweep = SweepOptions(opts.warmup_steps, opts.timeout)
+    measured = measure_top(cfg, opts.measure, list(HydraConfig.get().overrides.task), sweep_dir, sweep)
+    print("\nthe top layouts re-ranked by measured throughput (error: predicted over measured):")
+    print(measured_table(measured))
+    return 0
+
+
+SWEEP_OPTIONS = (
+    Option(("--warmup-steps",), dict(type=int, default=2, metavar="N", help="untimed steps (default 2)")),
+    Option(("--timeout",), dict(type=float, default=900.0, metavar="S", help="seconds a point may run (default 900)")),
+)
 
 COMMANDS = {
     c.name: c
@@ -263,6 +298,19 @@ COMMANDS = {
             options=(
                 Option(("--top",), dict(type=_positive_int, default=10, metavar="N", help="layouts to list")),
                 Option(("--json",), dict(action="store_true", help="print JSON for machines")),
+                Option(
+                    ("--measure",),
+                    dict(
+                        type=_positive_int,
+                        metavar="K",
+                        help="train the top K for a short profiling run each and re-rank them by measured tokens/s",
+                    ),
+                ),
+                *SWEEP_OPTIONS,
+                Option(
+                    ("--sweep-dir",),
+                    dict(metavar="DIR", help="--measure records here (default: plan-measure/MODEL-CLUSTER-GPUS)"),
+                ),
             ),
         ),
         Command(
@@ -309,6 +357,19 @@ COMMANDS = {
             ),
         ),
         Command(
+            "calibrate",
+            "fit the cluster's efficiency constants (GEMM efficiency, bandwidths, per-step overhead) to a measured "
+            "sweep by least squares; print the step-time error on held-out points before and after; write the "
+            "fitted cluster as a config file usable as cluster=NAME",
+            _calibrate,
+            hydra=False,
+            options=(
+                Option(("sweep_dir",), dict(metavar="SWEEP_DIR", help="a `parakit sweep` directory (sweep.json)")),
+                Option(("--output", "-o"), dict(metavar="CONFIG_DIR", help="default: SWEEP_DIR/calibrated")),
+                Option(("--name",), dict(metavar="NAME", help="default: CLUSTER_calibrated")),
+            ),
+        ),
+        Command(
             "sweep",
             "train each point of a grid of overrides (Hydra's multirun syntax: parallel.tp=1,2 zero=0,1) for a "
             "short profiling run; record measured and predicted step time, tokens/s, MFU and memory in "
@@ -317,13 +378,14 @@ COMMANDS = {
             writes=True,
             multirun=True,
             options=(
+                *SWEEP_OPTIONS,
                 Option(
-                    ("--warmup-steps",),
-                    dict(type=int, default=2, metavar="N", help="steps left out of the timing (default 2)"),
-                ),
-                Option(
-                    ("--timeout",),
-                    dict(type=float, default=900.0, metavar="S", help="seconds a point may run (default 900)"),
+                    ("--from-plan",),
+                    dict(
+                        type=_positive_int,
+                        metavar="K",
+                        help="sweep the planner's top K layouts for the composed model and cluster instead of a grid",
+                    ),
                 ),
             ),
         ),
@@ -419,12 +481,15 @@ def _run_hydra_app(command: Command, opts: argparse.Namespace, args: list[str]) 
     if command.multirun:
         from toolkit.report.sweep import SweepOptions, grid_size, register_point_dirs
 
-        register_point_dirs()
-        overrides = ["--multirun", *overrides]
-        if not any(o.startswith("hydra.sweep.subdir=") for o in args):
-            overrides.append("hydra.sweep.subdir='${point_dir:${hydra.job.override_dirname}}'")
         opts.sweep = SweepOptions(opts.warmup_steps, opts.timeout, grid_size(args), time.monotonic())
         opts.sweep_done = 0
+        if opts.from_plan:  # one composition; its points come from the planner, not a grid
+            overrides.append("hydra.run.dir=${hydra.sweep.dir}")
+        else:
+            register_point_dirs()
+            overrides = ["--multirun", *overrides]
+            if not any(o.startswith("hydra.sweep.subdir=") for o in args):
+                overrides.append("hydra.sweep.subdir='${point_dir:${hydra.job.override_dirname}}'")
     register_schema()
     codes = [0]  # one per job: a multirun exits with the worst
 

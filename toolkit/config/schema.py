@@ -361,6 +361,17 @@ class ClusterConfig:
     hbm_bandwidth_gbs: float = 20.0  # device memory bandwidth (memory-bound ops)
     # Fraction of peak a large, well-shaped GEMM reaches (a measured matmul benchmark).
     gemm_efficiency: float = 0.8
+    # Fixed time every optimizer step costs beside its modelled work (framework and Python
+    # dispatch, kernel launches, synchronisation): 0 for a datasheet cluster, fitted by
+    # `parakit calibrate` from a measured sweep.
+    step_overhead_s: float = 0.0
+    # Time each layer costs per micro-batch beside its modelled work (operator dispatch and kernel
+    # launches, forward and backward): what bounds small layers; 0 for a datasheet cluster, fitted
+    # by `parakit calibrate`.
+    layer_overhead_s: float = 0.0
+    # CPU clusters: the cores one node's ranks share (one thread per rank); more ranks than cores
+    # time-share them. null: this machine's core count.
+    cores_per_node: Optional[int] = None
     gpu_mtbf_hours: float = 50_000.0  # mean time between failures of one device
     checkpoint_write_gbs_per_node: float = 2.0  # sustained checkpoint write bandwidth per node
 

@@ -16,6 +16,7 @@ every micro-batch's forward and backward (Rajbhandari et al. 2020, section 7.2.2
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 from toolkit.config.schema import Config
@@ -121,6 +122,16 @@ def _spans_nodes(cfg: Config, group_size: int, stride: int) -> bool:
     return group_size > 1 and group_size * stride > cfg.cluster.gpus_per_node
 
 
+def _core_sharing(cfg: Config, layout: Layout) -> float:
+    """How many ranks share one CPU core (>= 1): compute on an oversubscribed CPU node slows by
+    that factor. 1 on GPUs."""
+    c = cfg.cluster
+    if c.device != "cpu":
+        return 1.0
+    cores = c.cores_per_node or os.cpu_count() or 1
+    return max(1.0, min(layout.world_size, c.gpus_per_node) / cores)
+
+
 def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
     """Predicted time of one optimizer step of `layout` (compute, tensor/pipeline/data-parallel
     communication, the pipeline bubble, the optimizer), and the throughput and MFU that follow."""
@@ -154,7 +165,7 @@ def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
     tp_bw = c.intra_node_bandwidth_gbs if tp <= c.gpus_per_node else c.inter_node_bandwidth_gbs
     tp_collective = _ring_time(tokens * h * nbytes, tp, tp_bw, 2.0)
     collectives = 4 + (2 if recompute == "full" else 0)
-    layer = 3 * (gemm_fwd + core_fwd) + elementwise + collectives * tp_collective
+    layer = 3 * (gemm_fwd + core_fwd) + elementwise + collectives * tp_collective + c.layer_overhead_s
     if recompute == "full":
         layer += gemm_fwd + core_fwd + elementwise / 3
     elif recompute == "selective":
@@ -174,7 +185,7 @@ def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
     stage_times = [n * layer for n in layout.stage_layers]
     stage_times[-1] += logits
     slowest = max(range(pp), key=stage_times.__getitem__)
-    per_microbatch = stage_times[slowest]
+    per_microbatch = stage_times[slowest] * _core_sharing(cfg, layout)
     tp_per_microbatch = layout.stage_layers[slowest] * collectives * tp_collective
 
     num_mb = layout.num_microbatches
@@ -227,7 +238,7 @@ def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
     else:
         optimizer = shard_params * (4 + 4 + 8 + nbytes) * 2 / hbm
 
-    step = compute + pp_comm + dp_comm + optimizer
+    step = compute + pp_comm + dp_comm + optimizer + c.step_overhead_s
     flops = step_flops(m, seq, layout.global_batch, recompute, layout.padded_vocab_size)
     world = layout.world_size
     return StepEstimate(

@@ -17,6 +17,7 @@ import fcntl
 import io
 import json
 import os
+import re
 import statistics
 import subprocess
 import time
@@ -68,18 +69,23 @@ class SweepOptions:
     started: float = 0.0
 
 
-def register_point_dirs() -> None:
-    """`${point_dir:...}` names a point's run directory by a digest of its overrides: the same
-    point keeps its directory in a re-run or a different grid over the same sweep directory
-    (Hydra's default, the job number, would hand one point's directory to another)."""
+def point_dir(overrides: list[str] | str) -> str:
+    """A point's run directory name: a digest of its overrides (as Hydra's override_dirname joins
+    them), so the same point keeps its directory in a re-run or in another grid over the same
+    sweep directory (Hydra's default, the job number, would hand one point's directory to another)."""
     import hashlib
 
+    if not isinstance(overrides, str):
+        overrides = ",".join(sorted(o for o in overrides if not o.startswith("hydra.")))
+    return "point-" + hashlib.sha1(overrides.encode()).hexdigest()[:10]
+
+
+def register_point_dirs() -> None:
+    """`${point_dir:${hydra.job.override_dirname}}` for hydra.sweep.subdir."""
     from omegaconf import OmegaConf
 
     if not OmegaConf.has_resolver("point_dir"):
-        OmegaConf.register_new_resolver(
-            "point_dir", lambda overrides: "point-" + hashlib.sha1(str(overrides).encode()).hexdigest()[:10]
-        )
+        OmegaConf.register_new_resolver("point_dir", lambda joined: point_dir(str(joined)))
 
 
 def point_key(overrides: list[str]) -> str:
@@ -165,8 +171,20 @@ def _train(cfg: Config, layout: Layout, run_dir: Path, timeout_s: float) -> tupl
             except ProcessLookupError:
                 pass
             proc.wait()
-    lines = log.read_text(errors="replace").splitlines()
-    return code, "\n".join(lines[-15:])
+    return code, error_summary(log.read_text(errors="replace").splitlines())
+
+
+# A raised exception's last traceback line ("[rank1]: ValueError: ..."), torchrun's own
+# ChildFailedError (which only says a child failed) left out.
+EXCEPTION_LINE = re.compile(r"^(\[rank\d+\]:\s*)?[\w.]*(Error|Exception|Interrupt)\b.*")
+
+
+def error_summary(lines: list[str], tail: int = 12) -> str:
+    """The first rank's exception line, then the log's last lines (torchrun ends its log with a
+    summary that names the failed rank but not the cause)."""
+    causes = [ln.strip() for ln in lines if EXCEPTION_LINE.match(ln.strip()) and "ChildFailedError" not in ln]
+    last = "\n".join(lines[-tail:])
+    return f"{causes[0]}\n...\n{last}" if causes and causes[0] not in last else last
 
 
 @contextmanager

@@ -1,0 +1,209 @@
+"""`parakit calibrate SWEEP_DIR`: fit the cluster's efficiency constants to a measured sweep.
+
+The planner's step time (toolkit/plan/perf.py) depends on a handful of cluster constants: the
+fraction of peak a large GEMM reaches, the link bandwidths, the device-memory bandwidth that
+element-wise work runs at, and a fixed per-step overhead (framework, Python, optimizer launch).
+Datasheet values describe the hardware, not the software stack on it; measured points pin them
+down. The fit minimises the squared log error of predicted over measured step time
+(scipy.optimize.least_squares, trust-region reflective, constants kept positive by fitting their
+logarithms), so a point 2x too slow weighs as much as one 2x too fast.
+
+The error before and after is judged on points held out of the fit: each point is predicted by
+a fit to all the others (leave-one-out cross-validation, Stone 1974), and the cluster written
+out is fitted to every point.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import statistics
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+
+from toolkit.config.schema import ClusterConfig, Config
+from toolkit.plan.layout import Layout, resolve
+from toolkit.plan.perf import estimate_step
+
+# The constants a sweep can inform, in the order a report lists them.
+CONSTANTS = (
+    "gemm_efficiency",
+    "hbm_bandwidth_gbs",
+    "intra_node_bandwidth_gbs",
+    "inter_node_bandwidth_gbs",
+    "step_overhead_s",
+    "layer_overhead_s",
+)
+# A constant whose doubling moves no prediction by this much is not fitted (no point exercises
+# it: inter-node bandwidth on a one-node sweep).
+SENSITIVITY = 1e-3
+# How far from its starting value a fit may move a constant (either way).
+SPAN = 1000.0
+# Where a fit starts for the overhead, which the datasheet cluster leaves at 0 (log space needs >0).
+OVERHEAD_START_S = 1e-3
+
+
+class CalibrationError(ValueError):
+    pass
+
+
+@dataclass(frozen=True)
+class Point:
+    name: str
+    cfg: Config
+    layout: Layout
+    measured: float  # median step time, seconds
+
+
+@dataclass(frozen=True)
+class Calibration:
+    datasheet: ClusterConfig  # as the sweep ran
+    cluster: ClusterConfig  # fitted to every point
+    fitted: tuple[str, ...]  # the constants the points informed
+    points: tuple[Point, ...]
+    before: tuple[float, ...]  # relative error per point, datasheet cluster
+    after: tuple[float, ...]  # relative error per point, fit without that point (held out)
+
+    @property
+    def median_before(self) -> float:
+        return statistics.median(map(abs, self.before))
+
+    @property
+    def median_after(self) -> float:
+        return statistics.median(map(abs, self.after))
+
+
+def load_points(sweep_dir: Path) -> list[Point]:
+    """The sweep's measured points (status ok), each with the configuration it trained."""
+    from toolkit.report.sweep import read_rows
+    from toolkit.train.trainer import load_run_config
+
+    rows = read_rows(sweep_dir)
+    if not rows:
+        raise CalibrationError(f"{sweep_dir}: no sweep.json; run `parakit sweep ... hydra.sweep.dir={sweep_dir}` first")
+    points = []
+    for row in rows:
+        if row.get("status") != "ok" or not row.get("step_time_s"):
+            continue
+        cfg = load_run_config(Path(row["run_dir"]))
+        points.append(Point(row["point"], cfg, resolve(cfg), float(row["step_time_s"])))
+    clusters = {p.cfg.cluster.name for p in points}
+    if len(clusters) > 1:
+        raise CalibrationError(
+            f"{sweep_dir}: points on clusters {sorted(clusters)}; calibrate one cluster at a time "
+            "(a sweep over one cluster option)"
+        )
+    return points
+
+
+def predict(point: Point, constants: dict[str, float]) -> float:
+    """The planner's step time for the point with these constants in its own cluster (its
+    topology, gpus_per_node and nodes, is the point's)."""
+    cluster = dataclasses.replace(point.cfg.cluster, **constants)
+    return estimate_step(dataclasses.replace(point.cfg, cluster=cluster), point.layout).step_time
+
+
+def _relative_errors(points, constants_of) -> tuple[float, ...]:
+    """(predicted - measured) / measured per point; constants_of(i) are the constants for point i."""
+    return tuple((predict(p, constants_of(i)) - p.measured) / p.measured for i, p in enumerate(points))
+
+
+def _informed(points: list[Point], datasheet: dict[str, float]) -> tuple[str, ...]:
+    base = [predict(p, datasheet) for p in points]
+    names = []
+    for name in CONSTANTS:
+        doubled = datasheet | {name: 2 * (datasheet[name] or OVERHEAD_START_S)}
+        if any(abs(predict(p, doubled) / b - 1) > SENSITIVITY for p, b in zip(points, base)):
+            names.append(name)
+    return tuple(names)
+
+
+def fit(points: list[Point], datasheet: dict[str, float], names: tuple[str, ...]) -> dict[str, float]:
+    """The constants with `names` fitted to the points (least squares on log step time)."""
+    import numpy as np
+    from scipy.optimize import least_squares
+
+    start = np.log([datasheet[n] or OVERHEAD_START_S for n in names])
+    # A constant the points barely inform stays within SPAN of where it started (a fit would
+    # otherwise push an unused bandwidth to infinity); an efficiency is at most 1.
+    lower = start - math.log(SPAN)
+    upper = np.array([min(0.0, s) if n == "gemm_efficiency" else s for n, s in zip(names, start + math.log(SPAN))])
+
+    def constants(x):
+        return datasheet | dict(zip(names, map(float, np.exp(x))))
+
+    def residuals(x):
+        return [math.log(predict(p, constants(x)) / p.measured) for p in points]
+
+    x0 = np.clip(start, lower, upper - 1e-9)
+    return constants(least_squares(residuals, x0, bounds=(lower, upper), method="trf").x)
+
+
+def calibrate(points: list[Point]) -> Calibration:
+    if len(points) < 3:
+        raise CalibrationError(
+            f"{len(points)} measured point(s); calibration needs at least 3 (one held out, two to fit): "
+            "sweep more layouts"
+        )
+    # The written cluster is the largest point's (its gpus_per_node and nodes) with fitted constants.
+    largest = max(points, key=lambda p: p.layout.world_size).cfg.cluster
+    datasheet = {n: getattr(largest, n) for n in CONSTANTS}
+    names = _informed(points, datasheet)
+    held_out = [fit(points[:i] + points[i + 1 :], datasheet, names) for i in range(len(points))]
+    return Calibration(
+        datasheet=largest,
+        cluster=dataclasses.replace(largest, **fit(points, datasheet, names)),
+        fitted=names,
+        points=tuple(points),
+        before=_relative_errors(points, lambda i: datasheet),
+        after=_relative_errors(points, held_out.__getitem__),
+    )
+
+
+def cluster_yaml(calibration: Calibration, name: str) -> str:
+    """The fitted cluster as a config-group file (`cluster=NAME`), its provenance in comments."""
+    from omegaconf import OmegaConf
+
+    c = dataclasses.replace(calibration.cluster, name=name)
+    header = (
+        f"# {name}: {calibration.datasheet.name} calibrated by `parakit calibrate` on "
+        f"{len(calibration.points)} measured points.\n"
+        f"# Fitted: {', '.join(calibration.fitted)}. Median step-time error on held-out points: "
+        f"{calibration.median_before:.1%} before, {calibration.median_after:.1%} after.\n"
+    )
+    return header + OmegaConf.to_yaml(OmegaConf.structured(c))
+
+
+def report(calibration: Calibration) -> str:
+    before, after = calibration.datasheet, calibration.cluster
+    lines = [f"{'constant':<26}{'before':>12}{'after':>12}"]
+    lines += [f"{n:<26}{getattr(before, n):>12.4g}{getattr(after, n):>12.4g}" for n in calibration.fitted]
+    lines += ["", f"{'point':<60}{'measured s':>11}{'before':>9}{'after':>9}"]
+    for p, b, a in zip(calibration.points, calibration.before, calibration.after):
+        lines.append(f"{p.name[:59]:<60}{p.measured:>11.4f}{b:>+9.1%}{a:>+9.1%}")
+    lines += [
+        "",
+        f"median step-time error on held-out points (each predicted by a fit to the others): "
+        f"{calibration.median_before:.1%} before, {calibration.median_after:.1%} after calibration",
+    ]
+    return "\n".join(lines)
+
+
+def run_calibrate(opts) -> int:
+    from toolkit.emit.files import write_atomic
+
+    sweep_dir = Path(opts.sweep_dir)
+    try:
+        calibration = calibrate(load_points(sweep_dir))
+    except CalibrationError as e:
+        print(f"parakit calibrate: {e}", file=sys.stderr)
+        return 1
+    name = opts.name or f"{calibration.datasheet.name}_calibrated"
+    config_dir = Path(opts.output) if opts.output else sweep_dir / "calibrated"
+    target = config_dir / "cluster" / f"{name}.yaml"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    write_atomic(target, cluster_yaml(calibration, name))
+    print(report(calibration))
+    print(f"\nwrote {target}\nuse it: parakit plan --config-dir {config_dir} cluster={name} ...")
+    return 0
