@@ -238,6 +238,12 @@ def _sweep(cfg, opts) -> int:
     return 0  # a failed point is recorded, never the sweep's failure
 
 
+def _report(cfg, opts) -> int:
+    from toolkit.report.page import report_command
+
+    return report_command(opts)
+
+
 def _plan(cfg, opts) -> int:
     from toolkit.plan.report import plan_command
 
@@ -325,6 +331,18 @@ COMMANDS = {
                     ("--timeout",),
                     dict(type=float, default=900.0, metavar="S", help="seconds a point may run (default 900)"),
                 ),
+            ),
+        ),
+        Command(
+            "report",
+            "DIR: plots (throughput vs ranks, efficiency per doubling, predicted vs measured, loss curves, time "
+            "per pipeline stage), one self-contained HTML page and a Markdown table, from a sweep, a scaling run "
+            "or one training run directory",
+            _report,
+            hydra=False,
+            options=(
+                Option(("dir",), dict(metavar="DIR", help="a sweep or scaling directory (sweep.json) or a run")),
+                Option(("--output", "-o"), dict(metavar="OUT", help="where the report goes (default: DIR/report)")),
             ),
         ),
         Command(

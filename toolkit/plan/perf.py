@@ -95,6 +95,9 @@ class StepEstimate:
     tflops_per_gpu: float  # model TFLOP/s per GPU
     mfu: float
     hfu: float
+    # One micro-batch's forward and backward on each pipeline stage (the last adds the logits):
+    # how even the stages are decides the pipeline's pace (the slowest one sets it).
+    stage_times: tuple[float, ...] = ()
 
     @property
     def comm_share(self) -> float:
@@ -242,4 +245,5 @@ def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
         tflops_per_gpu=flops.model / step / world / 1e12,
         mfu=flops.model / step / world / mfu_peak_flops(cfg),
         hfu=flops.hardware / step / world / mfu_peak_flops(cfg),
+        stage_times=tuple(stage_times),
     )
