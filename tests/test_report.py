@@ -105,9 +105,12 @@ def test_sweep_report_writes_every_plot_a_self_contained_page_and_a_table(sweep_
     assert any("failed" in line and "injected crash" in line for line in table)
 
 
-def test_default_output_is_dir_report(sweep_dir):
+def test_default_output_is_dir_report_and_an_unwritable_output_is_one_line(sweep_dir, tmp_path, capsys):
     assert main(["report", str(sweep_dir)]) == 0
     assert (sweep_dir / "report" / "report.html").is_file() and (sweep_dir / "report" / "report.md").is_file()
+    (tmp_path / "taken").write_text("a file, not a directory")
+    assert main(["report", str(sweep_dir), "-o", str(tmp_path / "taken")]) == 1
+    assert capsys.readouterr().err.startswith("parakit report: ")
 
 
 def test_efficiency_per_doubling_of_a_constructed_curve(sweep_dir):
@@ -174,6 +177,17 @@ def test_measured_stage_times_are_drawn_when_a_run_records_them(pipeline_run, tm
     assert plot.note == "" and plot.path.is_file()
 
 
+def test_an_unfinished_run_with_a_torn_last_line(tmp_path):
+    run_dir = tmp_path / "killed"
+    write_metrics(run_dir, [10.8, 10.6, 10.4])
+    with open(run_dir / "metrics.jsonl", "a") as log:
+        log.write('{"step": 4, "lo')  # the process died mid-write
+    (point,) = load(run_dir).points
+    assert point.row["status"] == "failed" and "no result.json" in point.row["error"]
+    assert point.losses == [(1, 10.8), (2, 10.6), (3, 10.4)] and point.row["final_loss"] == 10.4
+    assert main(["report", str(run_dir)]) == 0
+
+
 def test_single_point_and_only_failed_points(tmp_path):
     single = write_sweep(tmp_path / "single", [row("only", tmp_path, world_size=1, tokens_per_s=100.0)])
     assert main(["report", str(single)]) == 0
@@ -189,7 +203,7 @@ def test_single_point_and_only_failed_points(tmp_path):
     assert "Failed and invalid points" in page and "Killed" in page and "[rule] fix" in page
 
 
-@pytest.mark.parametrize("what", ["missing", "empty", "not_json", "file"])
+@pytest.mark.parametrize("what", ["missing", "empty", "not_json", "not_rows", "file"])
 def test_a_dir_that_is_none_of_the_three_is_one_line_exit_1(tmp_path, capsys, what):
     target = tmp_path / what
     if what == "empty":
@@ -197,6 +211,8 @@ def test_a_dir_that_is_none_of_the_three_is_one_line_exit_1(tmp_path, capsys, wh
     elif what == "not_json":
         target.mkdir()
         (target / "sweep.json").write_text("{not json")
+    elif what == "not_rows":
+        write_sweep(target, {"p1": "ok"})
     elif what == "file":
         target.write_text("x")
     assert main(["report", str(target)]) == 1

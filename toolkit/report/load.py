@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from toolkit.report.scaling import DEFAULT_THRESHOLD
+from toolkit.report.sweep import _layout_fields, _predicted, measured, read_metrics
 
 # Every field that tells one layout from another, besides the world size.
 LAYOUT_KEYS = ("backend", "tp", "pp", "vpp", "cp", "dp", "zero", "micro_batch", "recompute", "precision")
@@ -71,28 +72,37 @@ class ReportData:
         return (self.scaling or {}).get("dimension", "dp")
 
 
-def _records(run_dir: Path) -> list[dict]:
-    log = run_dir / "metrics.jsonl"
-    if not log.is_file():
-        return []
-    return [json.loads(line) for line in log.read_text().splitlines() if line.strip()]
-
-
 def _result(run_dir: Path) -> dict:
     path = run_dir / "result.json"
-    return json.loads(path.read_text()) if path.is_file() else {}
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except json.JSONDecodeError:
+        return {}
+
+
+def _planned(run_dir: Path):
+    """(Config, Layout) from the run's config.yaml, or None where there is none or it no longer
+    reads (an older parakit's, or edited by hand): the report then shows the measurements alone."""
+    from toolkit.config.store import load_run_config
+    from toolkit.plan.layout import resolve
+
+    if not (run_dir / "config.yaml").is_file():
+        return None
+    try:
+        cfg = load_run_config(run_dir)
+        return cfg, resolve(cfg)
+    except Exception:  # OmegaConf's and the layout's many errors: all mean "no prediction"
+        return None
 
 
 def _predicted_stage_times(run_dir: Path) -> list[float]:
-    """The planner's busy seconds per step on each stage of the run's layout (its config.yaml)."""
-    from toolkit.config.store import load_run_config
-    from toolkit.plan.layout import resolve
+    """The planner's busy seconds per step on each stage of the run's layout."""
     from toolkit.plan.perf import estimate_step
 
-    if not (run_dir / "config.yaml").is_file():
+    planned = _planned(run_dir)
+    if planned is None:
         return []
-    cfg = load_run_config(run_dir)
-    layout = resolve(cfg)
+    cfg, layout = planned
     return [layout.num_microbatches * t for t in estimate_step(cfg, layout).stage_times]
 
 
@@ -111,7 +121,7 @@ def _point(row: dict, label: str, directory: Path) -> Point:
     run_dir = _run_dir(row, directory)
     if run_dir is None:
         return point
-    records = _records(run_dir)
+    records = read_metrics(run_dir)
     point.losses = [(r["step"], r["loss"]) for r in records if "loss" in r]
     point.val_losses = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     if (row.get("pp") or 1) > 1 and row.get("status") != "invalid":
@@ -123,15 +133,10 @@ def _point(row: dict, label: str, directory: Path) -> Point:
 def _run_row(run_dir: Path, warmup_steps: int) -> dict:
     """One training run as a sweep row: its layout and predictions from config.yaml, its
     measurements from metrics.jsonl; ok when it finished (result.json), else failed."""
-    from toolkit.config.store import load_run_config
-    from toolkit.plan.layout import resolve
-    from toolkit.report.sweep import _layout_fields, _predicted, measured
-
     row = {"point": run_dir.name, "run_dir": str(run_dir), "error": ""}
-    if (run_dir / "config.yaml").is_file():
-        cfg = load_run_config(run_dir)
-        layout = resolve(cfg)
-        row |= _layout_fields(cfg, layout) | _predicted(cfg, layout)
+    planned = _planned(run_dir)
+    if planned is not None:
+        row |= _layout_fields(*planned) | _predicted(*planned)
     row |= measured(run_dir, warmup_steps)
     finished = (run_dir / "result.json").is_file()
     row["status"] = "ok" if finished else "failed"
@@ -154,7 +159,9 @@ def load(directory: Path, warmup_steps: int = 2) -> ReportData:
             data = json.loads(sweep_json.read_text())
             rows = data["points"]
         except (json.JSONDecodeError, KeyError, TypeError) as error:
-            raise NotAReportDir(f"{sweep_json} is not a sweep's record ({error})") from None
+            raise NotAReportDir(f"{sweep_json} is not a sweep's record ({type(error).__name__}: {error})") from None
+        if not isinstance(rows, list) or not all(isinstance(r, dict) for r in rows):
+            raise NotAReportDir(f"{sweep_json} is not a sweep's record: its points are not a list of rows")
         scaling = data.get("scaling")
         kind = "scaling" if scaling else "sweep"
     elif (directory / "metrics.jsonl").is_file():

@@ -25,6 +25,10 @@ def _number(value, digits: int = 3) -> str:
     return str(value)
 
 
+def _field(key: str, digits: int = 3) -> Callable[[Point], str]:
+    return lambda point: _number(point.row.get(key), digits)
+
+
 def _error_pct(point: Point, key: str) -> str:
     error = relative_error(point.row.get(f"predicted_{key}"), point.row.get(key))
     return "" if error is None else f"{error:+.0%}"
@@ -42,20 +46,20 @@ TABLE: tuple[tuple[str, Callable[[Point], str]], ...] = (
     ("point", lambda p: p.label),
     ("status", lambda p: p.row.get("status", "")),
     ("backend", lambda p: p.row.get("backend", "")),
-    *((k, (lambda k: lambda p: _number(p.row.get(k)))(k)) for k in ("tp", "pp", "vpp", "dp", "zero")),
-    ("micro batch", lambda p: _number(p.row.get("micro_batch"))),
-    ("ranks", lambda p: _number(p.row.get("world_size"))),
-    ("step time s", lambda p: _number(p.row.get("step_time_s"))),
-    ("predicted s", lambda p: _number(p.row.get("predicted_step_time_s"))),
+    *((key, _field(key)) for key in ("tp", "pp", "vpp", "dp", "zero")),
+    ("micro batch", _field("micro_batch")),
+    ("ranks", _field("world_size")),
+    ("step time s", _field("step_time_s")),
+    ("predicted s", _field("predicted_step_time_s")),
     ("step time error", lambda p: _error_pct(p, "step_time_s")),
-    ("tokens/s", lambda p: _number(p.row.get("tokens_per_s"))),
-    ("predicted tokens/s", lambda p: _number(p.row.get("predicted_tokens_per_s"))),
-    ("TFLOP/s per rank", lambda p: _number(p.row.get("tflops_per_gpu"))),
+    ("tokens/s", _field("tokens_per_s")),
+    ("predicted tokens/s", _field("predicted_tokens_per_s")),
+    ("TFLOP/s per rank", _field("tflops_per_gpu")),
     ("MFU", lambda p: f"{p.row['mfu']:.1%}" if p.row.get("mfu") else ""),
-    ("memory GiB", lambda p: _number(p.row.get("memory_gib"))),
-    ("predicted GiB", lambda p: _number(p.row.get("predicted_memory_gib"))),
+    ("memory GiB", _field("memory_gib")),
+    ("predicted GiB", _field("predicted_memory_gib")),
     ("memory error", lambda p: _error_pct(p, "memory_gib")),
-    ("final loss", lambda p: _number(p.row.get("final_loss"), 5)),
+    ("final loss", _field("final_loss", digits=5)),
     ("error", lambda p: _first_line(p.row.get("error"))),
 )
 
@@ -188,10 +192,10 @@ def make_report(directory: Path, output: Path | None = None) -> tuple[ReportData
 
 def report_command(opts) -> int:
     """`parakit report` (toolkit.cli parsed the options): 0 written, 1 DIR is not a sweep, a
-    scaling run or a training run (one line saying what it lacks)."""
+    scaling run or a training run, or OUT cannot be written (one line saying which)."""
     try:
         data, written = make_report(Path(opts.dir), Path(opts.output) if opts.output else None)
-    except NotAReportDir as error:
+    except (NotAReportDir, OSError) as error:  # OSError: OUT cannot be written (a file, no permission)
         print(f"parakit report: {error}", file=sys.stderr)
         return 1
     print(f"report of {len(data.points)} point(s) ({data.kind}): {written[0]}")
