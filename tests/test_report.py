@@ -71,7 +71,7 @@ def sweep_dir(pipeline_run):
         row("dp2", directory, world_size=2, tokens_per_s=190.0),
         row("dp4", directory, world_size=4, tokens_per_s=290.0),
         row("point-pipe", directory, world_size=2, tokens_per_s=150.0, pp=2, dp=1),
-        row("crash", directory, status="failed", world_size=2, error="step 3\nRuntimeError: injected crash"),
+        row("crash", directory, status="failed", world_size=8, tokens_per_s=1.0, error="RuntimeError: injected crash"),
         row("bad", directory, status="invalid", world_size=None, dp=None, error="[pp_divides_layers] use 2 or 4"),
     ]
     for name, losses in (("dp1", [10.8, 10.4]), ("dp2", [10.8, 10.3]), ("dp4", [10.8, 10.2])):
@@ -115,7 +115,9 @@ def test_default_output_is_dir_report_and_an_unwritable_output_is_one_line(sweep
 
 def test_efficiency_per_doubling_of_a_constructed_curve(sweep_dir):
     data = load(sweep_dir)
-    (dp_curve,) = [c for c in curves(data) if len(c) == 3]  # the pp=2 point is a curve of its own
+    # the pp=2 point is a curve of its own; the failed point's partial figures are on none
+    (dp_curve,) = [c for c in curves(data) if len(c) == 3]
+    assert sorted(len(c) for c in curves(data)) == [1, 3]
     steps = doublings([p.row for p in dp_curve])
     assert [(s.from_ranks, s.to_ranks) for s in steps] == [(1, 2), (2, 4)]
     assert [per_doubling(s) for s in steps] == pytest.approx([0.95, 290 / 190 / 2])

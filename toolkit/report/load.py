@@ -35,7 +35,9 @@ class Point:
 
     @property
     def measured(self) -> bool:
-        return bool(self.row.get("step_time_s"))
+        """Finished with figures: a failed run's partial figures (killed mid-way) are in the table
+        but stay off the throughput, efficiency and prediction plots."""
+        return self.row.get("status") == "ok" and bool(self.row.get("step_time_s"))
 
     @property
     def layout(self) -> str:
@@ -64,6 +66,14 @@ class ReportData:
     @property
     def threshold(self) -> float:
         return float((self.scaling or {}).get("threshold", DEFAULT_THRESHOLD))
+
+    @property
+    def scaling_description(self) -> str:
+        """ "strong scaling of dp" (a scaling run; "" otherwise)."""
+        if not self.scaling:
+            return ""
+        mode = self.scaling.get("mode")
+        return f"{mode + ' ' if mode else ''}scaling of {self.scaled_dimension}"
 
     @property
     def scaled_dimension(self) -> str:
@@ -126,7 +136,9 @@ def _point(row: dict, label: str, directory: Path) -> Point:
     point.val_losses = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     if (row.get("pp") or 1) > 1 and row.get("status") != "invalid":
         point.predicted_stage_times = _predicted_stage_times(run_dir)
-        point.measured_stage_times = _result(run_dir).get("stage_times_s")
+        recorded = _result(run_dir).get("stage_times_s")
+        if isinstance(recorded, list) and len(recorded) == len(point.predicted_stage_times):  # one per stage
+            point.measured_stage_times = recorded
     return point
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 import base64
 import html
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Callable
 
@@ -90,14 +91,9 @@ def scaling_summary(data: ReportData) -> list[str]:
 def _heading(data: ReportData) -> tuple[str, str]:
     """The page's title and its one-line count of points by status."""
     what = {"sweep": "Sweep", "scaling": "Scaling run", "run": "Training run"}[data.kind]
-    counts: dict[str, int] = {}
-    for p in data.points:
-        counts[p.row.get("status", "?")] = counts.get(p.row.get("status", "?"), 0) + 1
+    counts = Counter(p.row.get("status", "?") for p in data.points)
     listing = ", ".join(f"{n} {s}" for s, n in sorted(counts.items()))
-    scaling = ""
-    if data.scaling:
-        s = data.scaling
-        scaling = f"; {s.get('mode', '')} scaling of {s.get('dimension', 'dp')}, threshold {data.threshold:g}x per 2x"
+    scaling = f"; {data.scaling_description}, threshold {data.threshold:g}x per 2x" if data.scaling else ""
     return f"{what} report: {data.directory}", f"{len(data.points)} point(s): {listing}{scaling}"
 
 

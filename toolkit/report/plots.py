@@ -22,6 +22,9 @@ from toolkit.report.scaling import Doubling, doublings, first_below
 DPI = 110
 MARKERS = ("o", "s", "^", "v", "D", "x", "+", "P", "*", "<", ">")
 WIDE = (9.0, 4.8)
+# Point labels take turns above-right, below-right, above-left and below-left (offset points) so
+# that labels of nearby points do not print over each other.
+LABEL_OFFSETS = ((5, 5), (5, -11), (-5, 5), (-5, -11))
 
 
 @dataclass(frozen=True)
@@ -49,6 +52,12 @@ def _legend_outside(ax, **kwargs) -> None:
     ax.legend(loc="upper left", bbox_to_anchor=(1.02, 1.0), fontsize="small", frameon=False, **kwargs)
 
 
+def _label(ax, text: str, xy: tuple[float, float], turn: int) -> None:
+    dx, dy = LABEL_OFFSETS[turn % len(LABEL_OFFSETS)]
+    align = "left" if dx > 0 else "right"
+    ax.annotate(text, xy, textcoords="offset points", xytext=(dx, dy), fontsize="x-small", ha=align)
+
+
 def _ranks_axis(ax, ranks: list[int]) -> None:
     """Log2 x axis with a plain tick at every power of two between the smallest and largest."""
     low, high = min(ranks), max(ranks)
@@ -66,7 +75,7 @@ def curves(data: ReportData, key: str = "tokens_per_s") -> list[list[Point]]:
     world size (one point per world size: the first of equal ones)."""
     groups: dict[tuple, dict[int, Point]] = {}
     for p in data.points:
-        if p.row.get(key) and p.row.get("world_size"):
+        if p.measured and p.row.get(key) and p.row.get("world_size"):
             series = tuple(p.row.get(k) for k in LAYOUT_KEYS if k != data.scaled_dimension)
             groups.setdefault(series, {}).setdefault(p.row["world_size"], p)
     return [[by_ranks[w] for w in sorted(by_ranks)] for by_ranks in groups.values()]
@@ -75,6 +84,10 @@ def curves(data: ReportData, key: str = "tokens_per_s") -> list[list[Point]]:
 def curve_name(curve: list[Point], dimension: str) -> str:
     """A curve's legend name: its layout with the scaled dimension shown as varying (N)."""
     return curve[0].describe(varying=dimension)
+
+
+def _tokens(point: Point) -> float:
+    return point.row["tokens_per_s"]
 
 
 def plot_throughput(data: ReportData, out_dir: Path) -> Plot | None:
@@ -101,14 +114,11 @@ def plot_throughput(data: ReportData, out_dir: Path) -> Plot | None:
         ]
         if predicted:
             ax.plot(*zip(*predicted), "s--", color=color, markerfacecolor="none", alpha=0.8)
-        for p in curve:
-            ax.annotate(
-                p.label,
-                (p.row["world_size"], p.row["tokens_per_s"]),
-                textcoords="offset points",
-                xytext=(5, 5),
-                fontsize="x-small",
-            )
+    # At each world size the highest point is labelled above, the next below, ...: each label by its point.
+    for ranks in {p.row["world_size"] for curve in lines for p in curve}:
+        stacked = sorted((p for curve in lines for p in curve if p.row["world_size"] == ranks), key=_tokens)
+        for turn, p in enumerate(reversed(stacked)):
+            _label(ax, p.label, (ranks, _tokens(p)), turn)
     _ranks_axis(ax, [p.row["world_size"] for curve in lines for p in curve])
     ax.set_ylim(bottom=0)
     ax.set_ylabel("throughput (tokens/s, whole job)")
@@ -125,15 +135,17 @@ def plot_throughput(data: ReportData, out_dir: Path) -> Plot | None:
 
 
 def _titled(what: str, data: ReportData) -> str:
-    if data.kind == "scaling":
-        s = data.scaling
-        return f"{what}: {s.get('mode', '')} scaling of {s.get('dimension', 'dp')}".replace("  ", " ")
-    return what
+    return f"{what}: {data.scaling_description}" if data.scaling else what
+
+
+def gain_per_doubling(step: Doubling) -> float:
+    """Throughput gain per 2x of ranks: a 4x step that gained g counts as two doublings of sqrt(g)."""
+    return step.gain ** (1 / math.log2(step.to_ranks / step.from_ranks))
 
 
 def per_doubling(step: Doubling) -> float:
-    """Efficiency per doubling: a 4x step at efficiency e counts as two doublings of sqrt(e)."""
-    return step.efficiency ** (1 / math.log2(step.to_ranks / step.from_ranks))
+    """Efficiency per doubling: the gain per doubling over the ideal 2x."""
+    return gain_per_doubling(step) / 2
 
 
 def plot_efficiency(data: ReportData, out_dir: Path) -> Plot | None:
@@ -155,9 +167,8 @@ def plot_efficiency(data: ReportData, out_dir: Path) -> Plot | None:
             label=curve_name(curve, data.scaled_dimension),
         )
         for s in steps:
-            gain = s.gain ** (1 / math.log2(s.to_ranks / s.from_ranks))
             ax.annotate(
-                f"{gain:.2f}x per 2x",
+                f"{gain_per_doubling(s):.2f}x per 2x",
                 (s.to_ranks, 100 * per_doubling(s)),
                 textcoords="offset points",
                 xytext=(9, 7),  # clear of the ring that marks the first doubling under the threshold
@@ -228,15 +239,9 @@ def plot_predicted_vs_measured(data: ReportData, out_dir: Path) -> Plot | None:
         values = [v for _, x, y in pairs for v in (x, y)]
         low, high = min(values) / 1.5, max(values) * 1.5
         ax.plot([low, high], [low, high], color="gray", linewidth=1, label="y = x (prediction exact)")
-        for p, x, y in pairs:
+        for i, (p, x, y) in enumerate(pairs):
             ax.plot([x], [y], "o", color="C0")
-            ax.annotate(
-                f"{p.label} {relative_error(x, y):+.0%}",
-                (x, y),
-                textcoords="offset points",
-                xytext=(5, 4),
-                fontsize="x-small",
-            )
+            _label(ax, f"{p.label} {relative_error(x, y):+.0%}", (x, y), i)
         _plain_log_axes(ax)
         ax.set_xlim(low, high)
         ax.set_ylim(low, high)
