@@ -101,15 +101,21 @@ def _failures(data: ReportData) -> list[Point]:
     return [p for p in data.points if p.row.get("status") != "ok"]
 
 
+def _markdown_cell(text: str) -> str:
+    return str(text).replace("|", "\\|").replace("\n", " ")
+
+
 def markdown(data: ReportData, plots: list[Plot], missing: list[str]) -> str:
+    """report.md: the summary, the table (one row per point) and the plots linked beside it."""
     title, subtitle = _heading(data)
-    cell = lambda text: str(text).replace("|", "\\|").replace("\n", " ")  # noqa: E731
     lines = [f"# {title}", "", subtitle, ""]
-    lines += [f"- {line}" for line in scaling_summary(data)] + [""] * bool(scaling_summary(data))
+    summary = scaling_summary(data)
+    if summary:
+        lines += [f"- {line}" for line in summary] + [""]
     lines += [
         "| " + " | ".join(h for h, _ in TABLE) + " |",
         "|" + "---|" * len(TABLE),
-        *("| " + " | ".join(cell(get(p)) for _, get in TABLE) + " |" for p in data.points),
+        *("| " + " | ".join(_markdown_cell(get(p)) for _, get in TABLE) + " |" for p in data.points),
         "",
         ERRORS_MEAN,
         "",
