@@ -267,7 +267,9 @@ def plot_losses(data: ReportData, out_dir: Path) -> Plot | None:
         color = f"C{i % 10}"
         # Layouts that agree draw the same curve: a marker of its own keeps each one visible.
         marker = MARKERS[i % len(MARKERS)] if len(p.losses) <= 60 else None
-        ax.plot(*zip(*p.losses), "-", marker=marker, markerfacecolor="none", color=color, label=f"{p.label} {p.layout}")
+        status = "" if p.row.get("status") == "ok" else f" ({p.row.get('status')})"  # a curve that stops early
+        label = f"{p.label} {p.layout}{status}"
+        ax.plot(*zip(*p.losses), "-", marker=marker, markerfacecolor="none", color=color, label=label)
         if p.val_losses:
             ax.plot(*zip(*p.val_losses), "o--", color=color, markerfacecolor="none")
     ax.set_xlabel("step")
