@@ -69,3 +69,13 @@ def test_a_crashing_point_is_recorded_and_a_rerun_skips_recorded_points(swept):
     assert failed["status"] == "failed" and failed["error"], failed
     assert again.returncode == 0 and again.stdout.count("skipped (recorded before)") == 8, again.stdout[-2000:]
     assert len(rows(directory)) == 9
+
+
+def test_report_draws_the_real_sweep(swept, tmp_path):
+    """`parakit report` on this sweep (tests/test_report.py covers the cases by hand-made sweeps)."""
+    from toolkit.cli import main
+
+    assert main(["report", str(swept[0]), "--output", str(tmp_path)]) == 0
+    assert {p.stem for p in tmp_path.glob("*.png")} == {"throughput", "efficiency", "predicted_vs_measured", "loss"}
+    table = [line for line in (tmp_path / "report.md").read_text().splitlines() if line.startswith("| P")]
+    assert len(table) == 9 and "data:image/png;base64," in (tmp_path / "report.html").read_text()

@@ -251,6 +251,12 @@ def _calibrate(cfg, opts) -> int:
     return run_calibrate(opts)
 
 
+def _report(cfg, opts) -> int:
+    from toolkit.report.page import report_command
+
+    return report_command(opts)
+
+
 def _plan(cfg, opts) -> int:
     from toolkit.plan.report import plan_command
 
@@ -387,6 +393,18 @@ COMMANDS = {
                         help="sweep the planner's top K layouts for the composed model and cluster instead of a grid",
                     ),
                 ),
+            ),
+        ),
+        Command(
+            "report",
+            "DIR: plots (throughput vs ranks, efficiency per doubling, predicted vs measured, loss curves, time "
+            "per pipeline stage), one self-contained HTML page and a Markdown table, from a sweep, a scaling run "
+            "or one training run directory",
+            _report,
+            hydra=False,
+            options=(
+                Option(("dir",), dict(metavar="DIR", help="a sweep or scaling directory (sweep.json) or a run")),
+                Option(("--output", "-o"), dict(metavar="OUT", help="where the report goes (default: DIR/report)")),
             ),
         ),
         Command(

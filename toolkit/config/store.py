@@ -179,6 +179,12 @@ def to_config(cfg) -> Config:
         raise hf_arch.HfConfigError(str(cause)) from None
 
 
+def load_run_config(run_dir: Path, name: str = "config") -> Config:
+    """The config.yaml that `parakit generate`/`train` wrote into a run directory, typed again
+    (torch-free: `parakit report` reads it without importing the trainer)."""
+    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / f"{name}.yaml")))
+
+
 def compose_config(overrides: list[str] | None = None, config_dirs: Sequence[str | Path] = ()) -> Config:
     """Compose the search path (the package's conf/, `config_dirs`, $PARAKIT_CONFIG_PATH) with Hydra
     overrides, outside a Hydra app (tests, notebooks). Raises UnknownOptionError for an unknown

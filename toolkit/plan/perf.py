@@ -96,6 +96,9 @@ class StepEstimate:
     tflops_per_gpu: float  # model TFLOP/s per GPU
     mfu: float
     hfu: float
+    # One micro-batch's forward and backward on each pipeline stage (the last adds the logits):
+    # how even the stages are decides the pipeline's pace (the slowest one sets it).
+    stage_times: tuple[float, ...] = ()
 
     @property
     def comm_share(self) -> float:
@@ -182,10 +185,11 @@ def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
         3 * 2 * tokens * h * vocab_shard / (peak * shape_efficiency(tokens, vocab_shard, h))
         + 4 * tokens * vocab_shard * 4 / hbm
     )
-    stage_times = [n * layer for n in layout.stage_layers]
-    stage_times[-1] += logits
+    sharing = _core_sharing(cfg, layout)
+    stage_times = [n * layer * sharing for n in layout.stage_layers]
+    stage_times[-1] += logits * sharing
     slowest = max(range(pp), key=stage_times.__getitem__)
-    per_microbatch = stage_times[slowest] * _core_sharing(cfg, layout)
+    per_microbatch = stage_times[slowest]
     tp_per_microbatch = layout.stage_layers[slowest] * collectives * tp_collective
 
     num_mb = layout.num_microbatches
@@ -253,4 +257,5 @@ def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
         tflops_per_gpu=flops.model / step / world / 1e12,
         mfu=flops.model / step / world / mfu_peak_flops(cfg),
         hfu=flops.hardware / step / world / mfu_peak_flops(cfg),
+        stage_times=tuple(stage_times),
     )

@@ -119,11 +119,23 @@ def _predicted(cfg: Config, layout: Layout) -> dict:
     }
 
 
+def read_metrics(run_dir: Path) -> list[dict]:
+    """The run's metrics.jsonl records; a line that is not JSON (the torn last line of a killed
+    run) is left out."""
+    log = run_dir / "metrics.jsonl"
+    records = []
+    for line in log.read_text().splitlines() if log.is_file() else []:
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            continue
+    return records
+
+
 def measured(run_dir: Path, warmup_steps: int) -> dict:
     """Medians over the steps after the warm-up (all steps when the run is shorter), the peak
     memory over all of them, and the last loss, from the run's metrics.jsonl."""
-    log = run_dir / "metrics.jsonl"
-    records = [r for r in map(json.loads, log.read_text().splitlines()) if "loss" in r] if log.exists() else []
+    records = [r for r in read_metrics(run_dir) if "loss" in r]
     if not records:
         return {}
     timed = records[warmup_steps:] or records

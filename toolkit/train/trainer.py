@@ -11,9 +11,8 @@ import sys
 import warnings
 from pathlib import Path
 
-from omegaconf import OmegaConf
-
 from toolkit.config.schema import Config
+from toolkit.config.store import load_run_config  # noqa: F401 (its callers import it from here)
 from toolkit.plan.backends import backend_of
 from toolkit.plan.validate import check
 from toolkit.train import loop
@@ -52,10 +51,6 @@ def quiet_upstream_notices() -> None:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     for handler in logging.getLogger().handlers:
         handler.addFilter(_DropNoise())
-
-
-def load_run_config(run_dir: Path, name: str = "config") -> Config:
-    return OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), OmegaConf.load(run_dir / f"{name}.yaml")))
 
 
 def run(cfg: Config, run_dir: Path) -> list[float]:
