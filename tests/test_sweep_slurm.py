@@ -22,16 +22,8 @@ from omegaconf import OmegaConf
 from toolkit.report.sweep_slurm import resources
 
 SLURM_LOCAL = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "slurm-local"
-POINTS = [
-    "data=synthetic",
-    "train.steps=3",
-    "train.global_batch=4",
-    "model.num_layers=2",
-    "backend=megatron",
-    "cluster.gpus_per_node=1,2",
-    "--warmup-steps",
-    "1",
-]
+SHORT = ["data=synthetic", "train.steps=3", "train.global_batch=4", "model.num_layers=2", "--warmup-steps", "1"]
+GRID = ["backend=megatron", "cluster.gpus_per_node=1,2"]
 
 
 def _debug_partition_up(env: dict) -> bool:
@@ -80,7 +72,7 @@ def _job(job_id: str, env: dict) -> dict:
 def test_sweep_points_run_as_slurm_jobs_and_a_rerun_submits_nothing(slurm_env, tmp_path):
     directory = tmp_path / "sweep"
     slurm = ["hydra/launcher=slurm", "hydra.launcher.partition=debug", "hydra.launcher.timeout_min=10"]
-    first = sweep(directory, slurm_env, *POINTS, *slurm)
+    first = sweep(directory, slurm_env, *SHORT, *GRID, *slurm)
     assert first.returncode == 0, (first.stdout + first.stderr)[-3000:]
     rows = {r["world_size"]: r for r in json.loads((directory / "sweep.json").read_text())["points"]}
     assert set(rows) == {1, 2}
@@ -104,9 +96,22 @@ def test_sweep_points_run_as_slurm_jobs_and_a_rerun_submits_nothing(slurm_env, t
     assert cpus in ([1, 2], [0, 0]), cpus
 
     submitted = sorted((directory / ".submitit").iterdir())
-    again = sweep(directory, slurm_env, *POINTS, *slurm)
+    again = sweep(directory, slurm_env, *SHORT, *GRID, *slurm)
     assert again.returncode == 0 and again.stdout.count("skipped (recorded before)") == 2, again.stdout[-2000:]
     assert sorted((directory / ".submitit").iterdir()) == submitted and "slurm job" not in again.stdout
+
+
+@pytest.mark.slow
+def test_plain_submitit_slurm_runs_the_points_too(slurm_env, tmp_path):
+    """Hydra's own launcher, with the resources given as hydra.launcher.* overrides."""
+    directory = tmp_path / "plain"
+    launcher = ["hydra/launcher=submitit_slurm", "hydra.launcher.partition=debug", "hydra.launcher.cpus_per_task=1"]
+    done = sweep(directory, slurm_env, *SHORT, "cluster.gpus_per_node=1", *launcher)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    (row,) = json.loads((directory / "sweep.json").read_text())["points"]
+    assert row["status"] == "ok" and row["tokens_per_s"] > 0, row
+    (log,) = (directory / ".submitit").glob("*/*_0_log.out")  # the Slurm job's output: the point's line
+    assert "sweep point 1 [" in log.read_text()
 
 
 def test_each_point_asks_for_a_cpu_per_rank_on_cpu_clusters_and_a_gpu_per_rank_on_gpu_clusters():
