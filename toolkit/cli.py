@@ -16,6 +16,7 @@ Exit codes: 0 ok (warnings allowed), 2 validation errors or a bad option, 1 comp
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import textwrap
 import time
@@ -239,9 +240,14 @@ def _sweep(cfg, opts) -> int:
         return 0
     row = run_point(cfg, list(hc.overrides.task), Path(hc.runtime.output_dir), Path(hc.sweep.dir), opts.sweep)
     opts.sweep_done += 1
+    from dataclasses import replace
+
     from toolkit.report.sweep import progress_line
 
-    print(progress_line(row, opts.sweep_done, opts.sweep), flush=True)
+    if os.environ.get("SUBMITIT_EXECUTOR") == "slurm":  # one point per Slurm job: its number, no count
+        print(progress_line(row, hc.job.num + 1, replace(opts.sweep, total_points=None)), flush=True)
+    else:
+        print(progress_line(row, opts.sweep_done, opts.sweep), flush=True)
     return 0  # a failed point is recorded, never the sweep's failure
 
 
@@ -498,8 +504,13 @@ def _run_hydra_app(command: Command, opts: argparse.Namespace, args: list[str]) 
         overrides += [o for o in extra if o.split("=", 1)[0] not in user_keys]
     if command.multirun:
         from toolkit.report.sweep import SweepOptions, grid_size, register_point_dirs
+        from toolkit.report.sweep_slurm import launcher_problem
 
-        opts.sweep = SweepOptions(opts.warmup_steps, opts.timeout, grid_size(args), time.monotonic())
+        if problem := launcher_problem(args):
+            print(f"parakit {command.name}: {problem}", file=sys.stderr)
+            return 1
+
+        opts.sweep = SweepOptions(opts.warmup_steps, opts.timeout, grid_size(args), time.time())
         opts.sweep_done = 0
         if opts.from_plan:  # one composition; its points come from the planner, not a grid
             overrides.append("hydra.run.dir=${hydra.sweep.dir}")
@@ -511,15 +522,19 @@ def _run_hydra_app(command: Command, opts: argparse.Namespace, args: list[str]) 
     register_schema()
     codes = [0]  # one per job: a multirun exits with the worst
 
-    @hydra.main(config_path=str(dirs[0]), config_name="config", version_base="1.3")
-    def app(cfg_node) -> None:
+    def task(cfg_node) -> int:
         try:
             cfg = to_config(cfg_node)
         except HfConfigError as e:  # a bad model.hf_path under model=hf: one line, no traceback
             print(f"parakit {command.name}: {e}", file=sys.stderr)
-            codes.append(1)
-            return
-        codes.append(command.handler(cfg, opts))
+            code = 1
+        else:
+            code = command.handler(cfg, opts)
+        codes.append(code)
+        return code  # a job run elsewhere (a Slurm job) appends to its own copy of codes: this comes back
+
+    task.exit_codes = codes  # parakit's Slurm launcher adds the codes that come back from its jobs here
+    app = hydra.main(config_path=str(dirs[0]), config_name="config", version_base="1.3")(task)
 
     saved_argv = sys.argv
     sys.argv = [f"parakit {command.name}", *overrides]  # hydra.main reads its arguments from sys.argv

@@ -30,7 +30,7 @@ def candidate_overrides(candidate: Candidate, user_overrides: list[str]) -> list
 def measure_top(cfg: Config, k: int, user_overrides: list[str], sweep_dir: Path, opts: SweepOptions):
     """[(planned rank, candidate, row)] for the planner's top k, each measured as a sweep point."""
     ranked = search(cfg).ranked[:k]
-    opts.total_points, opts.started = len(ranked), time.monotonic()
+    opts.total_points, opts.started = len(ranked), time.time()
     measured = []
     for rank, candidate in enumerate(ranked, start=1):
         overrides = candidate_overrides(candidate, user_overrides)

@@ -66,7 +66,7 @@ class SweepOptions:
     warmup_steps: int = 2  # steps left out of the timing (start-up, first allocations)
     timeout_s: float = 900.0  # a point that runs longer is stopped and recorded as timed_out
     total_points: int | None = None  # for the progress line
-    started: float = 0.0
+    started: float = 0.0  # time.time() when the sweep started
 
 
 def point_dir(overrides: list[str] | str) -> str:
@@ -256,7 +256,7 @@ def run_point(cfg: Config, overrides: list[str], run_dir: Path, sweep_dir: Path,
 
 
 def progress_line(row: dict, done: int, opts: SweepOptions) -> str:
-    elapsed = time.monotonic() - opts.started
+    elapsed = time.time() - opts.started  # wall clock: a Slurm job compares it with the submitting host's
     total = opts.total_points
     left = f", {total - done} left" if total else ""
     eta = f", about {elapsed / done * (total - done):.0f} s to go" if total and done else ""
