@@ -3,5 +3,5 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/setup.sh
-ruff check toolkit tests scripts
-ruff format --check toolkit tests scripts
+ruff check toolkit tests scripts hydra_plugins
+ruff format --check toolkit tests scripts hydra_plugins
