@@ -257,6 +257,14 @@ def _calibrate(cfg, opts) -> int:
     return run_calibrate(opts)
 
 
+def _scale(cfg, opts) -> int:
+    from hydra.core.hydra_config import HydraConfig
+
+    from toolkit.report.scale import scale_command
+
+    return scale_command(cfg, opts, list(HydraConfig.get().overrides.task))
+
+
 def _report(cfg, opts) -> int:
     from toolkit.report.page import report_command
 
@@ -366,6 +374,21 @@ COMMANDS = {
                 Option(("--tokenizer",), dict(metavar="DIR", help="tokenizer to ship (default: the training data's)")),
                 Option(("--no-tokenizer",), dict(action="store_true", help="weights and configs only")),
                 Option(("--max-shard-size",), dict(default="5GB", metavar="SIZE", help="e.g. 500MB (default: 5GB)")),
+            ),
+        ),
+        Command(
+            "scale",
+            "measure a scaling curve: from the composed layout, double one dimension at a time (weak: batch per "
+            "data-parallel rank fixed; strong: global batch fixed), record tokens/s and the gain of each doubling, "
+            "and say where a doubling gains under the threshold",
+            _scale,
+            options=(
+                Option(("--dim",), dict(choices=("dp", "tp", "pp"), default="dp", help="the dimension to double")),
+                Option(("--mode",), dict(choices=("weak", "strong"), default="weak", help="default: weak")),
+                Option(("--ranks",), dict(default="1..4", metavar="START..END", help="powers of two (default 1..4)")),
+                Option(("--threshold",), dict(type=float, default=1.6, metavar="X", help="gain per 2x (default 1.6)")),
+                *SWEEP_OPTIONS,
+                Option(("--sweep-dir",), dict(metavar="DIR", help="default: scale/MODEL-DIM-MODE")),
             ),
         ),
         Command(

@@ -210,9 +210,21 @@ def _locked(sweep_dir: Path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def read_rows(sweep_dir: Path) -> list[dict]:
+def _read(sweep_dir: Path) -> dict:
     path = sweep_dir / "sweep.json"
-    return json.loads(path.read_text())["points"] if path.exists() else []
+    return json.loads(path.read_text()) if path.exists() else {"points": []}
+
+
+def read_rows(sweep_dir: Path) -> list[dict]:
+    return _read(sweep_dir)["points"]
+
+
+def describe_sweep(sweep_dir: Path, **fields) -> None:
+    """Set top-level fields of sweep.json beside its points (a scaling run's "scaling" block)."""
+    from toolkit.emit.files import write_atomic
+
+    with _locked(sweep_dir):
+        write_atomic(sweep_dir / "sweep.json", json.dumps(_read(sweep_dir) | fields, indent=2) + "\n")
 
 
 def record(sweep_dir: Path, row: dict) -> None:
@@ -220,8 +232,9 @@ def record(sweep_dir: Path, row: dict) -> None:
     from toolkit.emit.files import write_atomic
 
     with _locked(sweep_dir):
-        rows = [r for r in read_rows(sweep_dir) if r["point"] != row["point"]] + [row]
-        write_atomic(sweep_dir / "sweep.json", json.dumps({"points": rows}, indent=2) + "\n")
+        document = _read(sweep_dir)
+        rows = [r for r in document["points"] if r["point"] != row["point"]] + [row]
+        write_atomic(sweep_dir / "sweep.json", json.dumps(document | {"points": rows}, indent=2) + "\n")
         text = io.StringIO()
         writer = csv.DictWriter(text, fieldnames=COLUMNS, extrasaction="ignore")
         writer.writeheader()
