@@ -60,13 +60,14 @@ def calibration(sweep_dir):
 
 def test_the_fit_recovers_the_constants_that_made_the_times(calibration):
     assert len(calibration.points) == len(LAYOUTS)  # the failed point is left out
-    assert set(TRUTH) <= set(calibration.fitted)
     datasheet = {n: getattr(calibration.datasheet, n) for n in CONSTANTS}
     exact = [dataclasses.replace(p, measured=predict(p, datasheet | TRUTH)) for p in calibration.points]
-    fitted = fit(exact, datasheet, calibration.fitted)
+    fitted = fit(exact, datasheet, tuple(TRUTH))
     for name, value in (datasheet | TRUTH).items():
         assert fitted[name] == pytest.approx(value, rel=0.02), name
-    # with +-4% noise the dominant constants stay close (the bandwidths carry little of the time)
+    # with +-4% noise, held-out selection keeps what carries the time (not the bandwidths: little
+    # of it), and those stay close
+    assert {"gemm_efficiency", "layer_overhead_s"} <= set(calibration.fitted)
     assert calibration.cluster.gemm_efficiency == pytest.approx(TRUTH["gemm_efficiency"], rel=0.15)
     assert calibration.cluster.layer_overhead_s == pytest.approx(TRUTH["layer_overhead_s"], rel=0.25)
 

@@ -38,10 +38,10 @@ CONSTANTS = (
 # A constant whose doubling moves no prediction by this much is not fitted (no point exercises
 # it: inter-node bandwidth on a one-node sweep).
 SENSITIVITY = 1e-3
+# A constant joins the fit when it lowers the median held-out error by this much (absolute).
+IMPROVEMENT = 0.005
 # How far from its starting value a fit may move a constant (either way).
 SPAN = 1000.0
-# Where a fit starts for the overhead, which the datasheet cluster leaves at 0 (log space needs >0).
-OVERHEAD_START_S = 1e-3
 
 
 class CalibrationError(ValueError):
@@ -110,13 +110,45 @@ def _relative_errors(points, constants_of) -> tuple[float, ...]:
 
 
 def _informed(points: list[Point], datasheet: dict[str, float]) -> tuple[str, ...]:
+    """The constants that move some prediction (doubled: by SENSITIVITY or more)."""
     base = [predict(p, datasheet) for p in points]
     names = []
     for name in CONSTANTS:
-        doubled = datasheet | {name: 2 * (datasheet[name] or OVERHEAD_START_S)}
+        doubled = datasheet | {name: 2 * (datasheet[name] or _start(name, points))}
         if any(abs(predict(p, doubled) / b - 1) > SENSITIVITY for p, b in zip(points, base)):
             names.append(name)
     return tuple(names)
+
+
+def _start(name: str, points: list[Point]) -> float:
+    """Where an overhead the datasheet leaves at 0 starts: a tenth of the median step, spread over
+    the layers and micro-batches of a step for the per-layer one."""
+    step = statistics.median(p.measured for p in points)
+    if name == "layer_overhead_s":
+        return 0.1 * step / statistics.median(p.layout.num_microbatches * max(p.layout.stage_layers) for p in points)
+    return 0.1 * step
+
+
+def _held_out(points: list[Point], datasheet: dict[str, float], names: tuple[str, ...]) -> tuple[float, ...]:
+    fits = [fit(points[:i] + points[i + 1 :], datasheet, names) for i in range(len(points))]
+    return _relative_errors(points, fits.__getitem__)
+
+
+def select(points: list[Point], datasheet: dict[str, float]) -> tuple[tuple[str, ...], tuple[float, ...]]:
+    """Forward selection by held-out error: add the informed constant that lowers the median
+    held-out error most, while one does (each constant fitted to few points fits their noise);
+    (the constants, their held-out errors)."""
+    chosen: tuple[str, ...] = ()
+    errors = _relative_errors(points, lambda i: datasheet)
+    candidates = list(_informed(points, datasheet))
+    while candidates:
+        trials = {name: _held_out(points, datasheet, (*chosen, name)) for name in candidates}
+        best = min(trials, key=lambda n: statistics.median(map(abs, trials[n])))
+        if statistics.median(map(abs, trials[best])) >= statistics.median(map(abs, errors)) - IMPROVEMENT:
+            break
+        chosen, errors = (*chosen, best), trials[best]
+        candidates.remove(best)
+    return chosen, errors
 
 
 def fit(points: list[Point], datasheet: dict[str, float], names: tuple[str, ...]) -> dict[str, float]:
@@ -124,7 +156,7 @@ def fit(points: list[Point], datasheet: dict[str, float], names: tuple[str, ...]
     import numpy as np
     from scipy.optimize import least_squares
 
-    start = np.log([datasheet[n] or OVERHEAD_START_S for n in names])
+    start = np.log([datasheet[n] or _start(n, points) for n in names])
     # A constant the points barely inform stays within SPAN of where it started (a fit would
     # otherwise push an unused bandwidth to infinity); an efficiency is at most 1.
     lower = start - math.log(SPAN)
@@ -149,15 +181,14 @@ def calibrate(points: list[Point]) -> Calibration:
     # The written cluster is the largest point's (its gpus_per_node and nodes) with fitted constants.
     largest = max(points, key=lambda p: p.layout.world_size).cfg.cluster
     datasheet = {n: getattr(largest, n) for n in CONSTANTS}
-    names = _informed(points, datasheet)
-    held_out = [fit(points[:i] + points[i + 1 :], datasheet, names) for i in range(len(points))]
+    names, after = select(points, datasheet)
     return Calibration(
         datasheet=largest,
         cluster=dataclasses.replace(largest, **fit(points, datasheet, names)),
         fitted=names,
         points=tuple(points),
         before=_relative_errors(points, lambda i: datasheet),
-        after=_relative_errors(points, held_out.__getitem__),
+        after=after,
     )
 
 
