@@ -16,6 +16,7 @@ Exit codes: 0 ok (warnings allowed), 2 validation errors or a bad option, 1 comp
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 import textwrap
@@ -239,6 +240,9 @@ def _sweep(cfg, opts) -> int:
         print(main_sweep_summary(sweep_dir))
         return 0
     row = run_point(cfg, list(hc.overrides.task), Path(hc.runtime.output_dir), Path(hc.sweep.dir), opts.sweep)
+    # Hydra's Optuna sweeper maximises the job's return value: measured tokens/s, -inf for a point
+    # that did not train (hydra.sweeper.direction=maximize)
+    opts.objective = float(row["tokens_per_s"]) if row.get("status") == "ok" and row.get("tokens_per_s") else -math.inf
     opts.sweep_done += 1
     from dataclasses import replace
 
@@ -554,6 +558,8 @@ def _run_hydra_app(command: Command, opts: argparse.Namespace, args: list[str]) 
         else:
             code = command.handler(cfg, opts)
         codes.append(code)
+        if command.multirun and hasattr(opts, "objective"):  # a sweep point: what a sweeper maximises
+            return opts.objective
         return code  # a job run elsewhere (a Slurm job) appends to its own copy of codes: this comes back
 
     task.exit_codes = codes  # parakit's Slurm launcher adds the codes that come back from its jobs here

@@ -280,9 +280,14 @@ def progress_line(row: dict, done: int, opts: SweepOptions) -> str:
 
 
 def grid_size(arguments: list[str]) -> int | None:
-    """How many points Hydra's basic sweeper makes of these overrides (their product)."""
+    """How many points the sweep makes: the product of the grid's values for Hydra's basic
+    sweeper, hydra.sweeper.n_trials for another sweeper (Optuna), None when unknown."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
 
+    settings = dict(a.split("=", 1) for a in arguments if "=" in a and not a.startswith("-"))
+    if settings.get("hydra/sweeper", "basic") != "basic":
+        trials = settings.get("hydra.sweeper.n_trials")
+        return int(trials) if trials and trials.isdigit() else None
     try:
         overrides = OverridesParser.create().parse_overrides(
             [a for a in arguments if "=" in a and not a.startswith("-")]
