@@ -278,6 +278,18 @@ def _report(cfg, opts) -> int:
 def _plan(cfg, opts) -> int:
     from toolkit.plan.report import plan_command
 
+    if opts.scaling:
+        from toolkit.plan.scaling import curve_table, predicted_curve
+        from toolkit.report.scale import ScaleError, parse_range
+
+        try:
+            low, high = parse_range(opts.scaling)
+        except ScaleError as e:
+            print(f"parakit plan --scaling: {e}", file=sys.stderr)
+            return 2
+        print(f"{opts.scaling_mode} scaling of {cfg.model.name} on {cfg.cluster.name}, the best layout at each size:")
+        print(curve_table(predicted_curve(cfg, low, high, opts.scaling_mode), opts.threshold))
+        return 0
     if not opts.measure:
         return plan_command(cfg, top=opts.top, as_json=opts.json)
     from hydra.core.hydra_config import HydraConfig
@@ -335,6 +347,12 @@ COMMANDS = {
                     ("--sweep-dir",),
                     dict(metavar="DIR", help="--measure records here (default: plan-measure/MODEL-CLUSTER-GPUS)"),
                 ),
+                Option(
+                    ("--scaling",),
+                    dict(metavar="A..B", help="predicted scaling curve over A..B GPUs, e.g. 8..16384"),
+                ),
+                Option(("--scaling-mode",), dict(choices=("weak", "strong"), default="weak", help="default: weak")),
+                Option(("--threshold",), dict(type=float, default=1.6, metavar="X", help="gain per 2x (default 1.6)")),
             ),
         ),
         Command(

@@ -1,0 +1,71 @@
+"""`plan --scaling A..B`: the planner's scaling curve to any size, beside a measured small one.
+
+At each power-of-two GPU count the cluster is resized (whole nodes of the cluster's
+gpus_per_node once past one node) and the best layout the search finds is taken; weak scaling
+grows the global batch with the GPUs (the batch per GPU stays), strong scaling keeps it. The
+gain of each doubling is judged as a measured curve is (toolkit/report/scaling.py).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from toolkit.config.schema import Config
+from toolkit.plan.layout import world_size
+from toolkit.plan.search import search
+from toolkit.report.scaling import doublings, first_below
+
+
+def resized(cfg: Config, gpus: int, mode: str) -> Config:
+    node = cfg.cluster.gpus_per_node
+    cluster = dataclasses.replace(cfg.cluster, nodes=max(1, gpus // node), gpus_per_node=min(gpus, node))
+    batch = cfg.train.global_batch
+    if mode == "weak":
+        batch = max(1, batch * gpus // world_size(cfg))
+    train = dataclasses.replace(cfg.train, global_batch=batch, grad_accum=None)
+    return dataclasses.replace(cfg, cluster=cluster, train=train, parallel=dataclasses.replace(cfg.parallel, dp=None))
+
+
+def predicted_curve(cfg: Config, low: int, high: int, mode: str) -> list[dict]:
+    """One row per size: the best layout's shape and figures (no row figures where none fits)."""
+    rows = []
+    gpus = low
+    while gpus <= high:
+        sized = resized(cfg, gpus, mode)
+        best = next(iter(search(sized).ranked), None)
+        row = {"world_size": gpus, "global_batch": sized.train.global_batch}
+        if best:
+            lay = best.layout
+            row |= {
+                "layout": f"tp={lay.tp} pp={lay.pp} vpp={lay.vpp} cp={lay.cp} dp={lay.dp} mb={lay.micro_batch} "
+                f"zero={best.cfg.zero.stage}",
+                "tokens_per_s": best.step.tokens_per_s,
+                "mfu": best.step.mfu,
+            }
+        rows.append(row)
+        gpus *= 2
+    return rows
+
+
+def curve_table(rows: list[dict], threshold: float) -> str:
+    steps = {d.to_ranks: d for d in doublings(rows, threshold)}
+    lines = [f"{'GPUs':>7}{'global batch':>14}  {'best layout':<44}{'tokens/s':>14}{'MFU':>7}{'gain':>8}{'eff.':>6}"]
+    for r in rows:
+        d = steps.get(r["world_size"])
+        if "tokens_per_s" not in r:
+            lines.append(f"{r['world_size']:>7}{r['global_batch']:>14}  no layout fits or divides the batch")
+            continue
+        gain = f"{d.gain:.2f}x" if d else ""
+        eff = f"{d.efficiency:.0%}" if d else ""
+        lines.append(
+            f"{r['world_size']:>7}{r['global_batch']:>14}  {r['layout']:<44}{r['tokens_per_s']:>14,.0f}"
+            f"{r['mfu']:>7.1%}{gain:>8}{eff:>6}"
+        )
+    below = first_below(doublings(rows, threshold))
+    lines.append(
+        f"predicted: the doubling {below.from_ranks} -> {below.to_ranks} GPUs gains {below.gain:.2f}x, under "
+        f"{threshold:g}x per 2x"
+        if below
+        else f"predicted: every doubling gains at least {threshold:g}x per 2x"
+    )
+    return "\n".join(lines)
