@@ -1,6 +1,8 @@
-"""`parakit sweep` on CPU: a grid over both backends and 1-2 ranks, trained, measured and recorded
-beside the planner's predictions; invalid points never start, a crashing point is recorded and
-the sweep goes on, and running the same sweep again skips what is recorded."""
+"""Sweeps on CPU, one set of runs that every test here reads: `parakit sweep` over both backends
+and 1-4 ranks, trained, measured and recorded beside the planner's predictions (invalid points
+never start, a crashing point is recorded and the sweep goes on, a re-run skips what is
+recorded); `parakit calibrate`, `parakit report`, Hydra's Optuna sweeper on that sweep;
+`parakit scale` (dp 1->2->4) and `plan --measure` / `sweep --from-plan`."""
 
 from __future__ import annotations
 
@@ -8,13 +10,17 @@ import csv
 import json
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
 pytestmark = pytest.mark.slow
 
-SHORT = ["data=synthetic", "train.steps=4", "train.global_batch=4", "model.num_layers=4", "--warmup-steps", "1"]
-GRID = ["backend=megatron,deepspeed", "cluster.gpus_per_node=1,2", "parallel.tp=1,2"]
+SHORT = ["data=synthetic", "train.steps=4", "model.num_layers=4", "--warmup-steps", "1"]
+GRID = ["train.global_batch=8", "backend=megatron,deepspeed", "cluster.gpus_per_node=1,2,4"]
+# a second invocation into the same directory: tp=2 on one rank is invalid, tp=1 crashes at step 2
+CRASH = ["train.global_batch=8", "cluster.gpus_per_node=1", "parallel.tp=1,2"]
+CRASH += ["train.fault.kill_rank=0", "train.fault.kill_at_step=2"]
 
 
 def sweep(directory, *args):
@@ -26,7 +32,7 @@ def sweep(directory, *args):
 def swept(tmp_path_factory):
     directory = tmp_path_factory.mktemp("sweeps") / "grid"
     first = sweep(directory, *SHORT, *GRID)
-    crash = sweep(directory, *SHORT, "cluster.gpus_per_node=1", "train.fault.kill_rank=0", "train.fault.kill_at_step=2")
+    crash = sweep(directory, *SHORT, *CRASH)
     again = sweep(directory, *SHORT, *GRID)
     return directory, first, crash, again
 
@@ -39,36 +45,32 @@ def test_every_point_is_recorded_with_measured_and_predicted_figures(swept):
     directory, first, _, _ = swept
     assert first.returncode == 0, first.stderr[-3000:]
     recorded = rows(directory)
-    assert len(recorded) == 9  # 8 grid points + the crashing one
-    assert len({r["run_dir"] for r in recorded.values()}) == 9  # each point its own directory
+    assert len(recorded) == 8  # 6 grid points + the crashing and the invalid one
+    assert len({r["run_dir"] for r in recorded.values()}) == 8  # each point its own directory
     ok = [r for r in recorded.values() if r["status"] == "ok"]
-    invalid = [r for r in recorded.values() if r["status"] == "invalid"]
-    # tp=2 on one rank, and tp on deepspeed (no tensor parallel there), never start
-    assert len(ok) == 5 and len(invalid) == 3, {k: r["status"] for k, r in recorded.items()}
-    assert all("[" in r["error"] and "Fix:" in r["error"] for r in invalid)
+    (invalid,) = [r for r in recorded.values() if r["status"] == "invalid"]
+    assert len(ok) == 6, {k: r["status"] for k, r in recorded.items()}
+    # listed with its rules, never started
+    assert "[world_size]" in invalid["error"] and "Fix:" in invalid["error"]
+    assert not (Path(invalid["run_dir"]) / "train.log").exists()
     for r in ok:
         assert r["step_time_s"] > 0 and r["tokens_per_s"] > 0 and 0 < r["mfu"] < 1 and r["memory_gib"] > 0
         assert r["predicted_step_time_s"] > 0 and r["predicted_memory_gib"] > 0 and r["final_loss"] > 0
-    assert {(r["backend"], r["world_size"], r["tp"]) for r in ok} == {
-        ("megatron", 1, 1),
-        ("megatron", 2, 1),
-        ("megatron", 2, 2),
-        ("deepspeed", 1, 1),
-        ("deepspeed", 2, 1),
-    }
+    everything = {(b, n) for b in ("megatron", "deepspeed") for n in (1, 2, 4)}
+    assert {(r["backend"], r["world_size"]) for r in ok} == everything
     with open(directory / "sweep.csv") as f:
         table = list(csv.DictReader(f))
-    assert len(table) == 9 and {"step_time_s", "predicted_step_time_s", "mfu", "status"} <= set(table[0])
-    assert "sweep point 8/8" in first.stdout and "left" in first.stdout
+    assert len(table) == 8 and {"step_time_s", "predicted_step_time_s", "mfu", "status"} <= set(table[0])
+    assert "sweep point 6/6" in first.stdout and "left" in first.stdout
 
 
 def test_a_crashing_point_is_recorded_and_a_rerun_skips_recorded_points(swept):
     directory, first, crash, again = swept
     assert crash.returncode == 0, crash.stderr[-3000:]
-    (failed,) = [r for r in rows(directory).values() if "kill_at_step=2" in r["point"]]
-    assert failed["status"] == "failed" and failed["error"], failed
-    assert again.returncode == 0 and again.stdout.count("skipped (recorded before)") == 8, again.stdout[-2000:]
-    assert len(rows(directory)) == 9
+    (failed,) = [r for r in rows(directory).values() if "kill_at_step=2" in r["point"] and r["status"] != "invalid"]
+    assert failed["status"] == "failed" and "exitcode" in failed["error"], failed
+    assert again.returncode == 0 and again.stdout.count("skipped (recorded before)") == 6, again.stdout[-2000:]
+    assert len(rows(directory)) == 8
 
 
 def test_report_draws_the_real_sweep(swept, tmp_path):
@@ -78,4 +80,73 @@ def test_report_draws_the_real_sweep(swept, tmp_path):
     assert main(["report", str(swept[0]), "--output", str(tmp_path)]) == 0
     assert {p.stem for p in tmp_path.glob("*.png")} == {"throughput", "efficiency", "predicted_vs_measured", "loss"}
     table = [line for line in (tmp_path / "report.md").read_text().splitlines() if line.startswith("| P")]
-    assert len(table) == 9 and "data:image/png;base64," in (tmp_path / "report.html").read_text()
+    assert len(table) == 8 and "data:image/png;base64," in (tmp_path / "report.html").read_text()
+
+
+def test_calibrate_lowers_the_held_out_error_of_the_real_sweep(swept, tmp_path):
+    """The datasheet cpu cluster against the same cluster fitted to this sweep, each point
+    predicted by a fit to the others (tests/test_calibrate.py checks the fit on made-up times)."""
+    from toolkit.plan.calibrate import calibrate, load_points
+
+    calibration = calibrate(load_points(swept[0]))
+    assert len(calibration.points) == 6 and calibration.fitted
+    assert calibration.median_after < calibration.median_before, (calibration.before, calibration.after)
+
+
+def test_optuna_searches_the_recorded_layouts_by_measured_throughput(swept):
+    """Hydra's Optuna sweeper over the sweep's own space: every trial is a recorded point (no
+    training), returning its measured tokens/s or -inf; the best is the fastest trial."""
+    directory = swept[0]
+    # 3 ranks do not divide the batch of 8: invalid, never trained, -inf
+    space = ["backend=choice(megatron,deepspeed)", "cluster.gpus_per_node=choice(1,2,3,4)"]
+    optuna = ["hydra/sweeper=optuna", "hydra.sweeper.direction=maximize", "hydra.sweeper.n_trials=6"]
+    done = sweep(directory, *SHORT, "train.global_batch=8", *space, *optuna, "hydra.sweeper.sampler.seed=1")
+    assert done.returncode == 0, done.stderr[-3000:]
+    import yaml
+
+    result = yaml.safe_load((directory / "optimization_results.yaml").read_text())
+    assert done.stdout.count("sweep point") == 6 and "train.log" not in done.stdout
+    tried = {r["point"]: r for r in rows(directory).values() if "cluster.gpus_per_node=3" not in r["point"]}
+    assert len(rows(directory)) - len(tried) <= 2  # the only new rows: invalid 3-rank points
+    trials = [line.split("[", 1)[1].split("]")[0] for line in done.stdout.splitlines() if "sweep point" in line]
+    best = max((tried[t] for t in trials if t in tried and tried[t]["status"] == "ok"), key=lambda r: r["tokens_per_s"])
+    assert result["best_value"] == pytest.approx(best["tokens_per_s"])
+    assert str(result["best_params"]["backend"]) == best["backend"]
+
+
+@pytest.fixture(scope="module")
+def scaled(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("scale") / "dp"
+    command = [sys.executable, "-m", "toolkit.cli", "scale", "--dim", "dp", "--ranks", "1..4", "--sweep-dir"]
+    args = [str(directory), *SHORT, "train.global_batch=2"]
+    return directory, subprocess.run(command + args, capture_output=True, text=True, timeout=900)
+
+
+def test_a_weak_scaling_curve_is_measured_and_judged_per_doubling(scaled, tmp_path):
+    directory, done = scaled
+    assert done.returncode == 0, done.stderr[-3000:]
+    document = json.loads((directory / "sweep.json").read_text())
+    assert document["scaling"] == {"dimension": "dp", "mode": "weak", "threshold": 1.6}
+    points = sorted(document["points"], key=lambda r: r["world_size"])
+    assert [(r["status"], r["world_size"], r["dp"]) for r in points] == [("ok", n, n) for n in (1, 2, 4)]
+    assert [r["point"].count("train.global_batch=" + str(2 * r["dp"])) for r in points] == [1, 1, 1]  # weak
+    assert "2 -> 4" in done.stdout or "every doubling" in done.stdout
+    from toolkit.cli import main
+
+    assert main(["report", str(directory), "--output", str(tmp_path)]) == 0
+    assert {"throughput", "efficiency"} <= {p.stem for p in tmp_path.glob("*.png")}
+    assert "weak scaling of dp" in (tmp_path / "report.html").read_text()
+
+
+def test_plan_measure_reranks_the_top_layouts_and_sweep_from_plan_reuses_them(tmp_path):
+    directory = tmp_path / "measured"
+    common = [*SHORT, "cluster.gpus_per_node=2", "train.global_batch=8"]
+    plan = [sys.executable, "-m", "toolkit.cli", "plan", "--measure", "2", "--sweep-dir", str(directory), *common]
+    done = subprocess.run(plan, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "re-ranked by measured throughput" in done.stdout
+    table = done.stdout.split("re-ranked by measured throughput")[1].splitlines()[2:4]
+    assert len(table) == 2 and all(line.rstrip().endswith("ok") for line in table), table
+    assert {line.split()[1] for line in table} == {"1", "2"}  # the planner's ranks beside the measured ones
+    again = sweep(directory, "--from-plan", "2", *common)
+    assert again.returncode == 0 and again.stdout.count("skipped (recorded before)") == 2, again.stdout[-2000:]
