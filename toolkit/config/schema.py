@@ -361,6 +361,10 @@ class ClusterConfig:
     hbm_bandwidth_gbs: float = 20.0  # device memory bandwidth (memory-bound ops)
     # Fraction of peak a large, well-shaped GEMM reaches (a measured matmul benchmark).
     gemm_efficiency: float = 0.8
+    # A GEMM dimension at which a tile-based kernel reaches half its large-shape efficiency: 128
+    # for GPU tensor-core tiles (128x128 CTA tiles of cuBLAS/CUTLASS); CPU kernels (smaller
+    # register blocks) lose far less on small shapes.
+    gemm_half_size: float = 128.0
     # Fixed time every optimizer step costs beside its modelled work (framework and Python
     # dispatch, kernel launches, synchronisation): 0 for a datasheet cluster, fitted by
     # `parakit calibrate` from a measured sweep.

@@ -29,6 +29,7 @@ from toolkit.plan.perf import estimate_step
 # The constants a sweep can inform, in the order a report lists them.
 CONSTANTS = (
     "gemm_efficiency",
+    "gemm_half_size",
     "hbm_bandwidth_gbs",
     "intra_node_bandwidth_gbs",
     "inter_node_bandwidth_gbs",

@@ -33,8 +33,6 @@ COLLECTIVE_LATENCY_S = 20e-6
 # FlashAttention-2 forward+backward runs at 50-70% of peak where large GEMMs reach ~80%
 # (Dao 2023, "FlashAttention-2", section 4.1).
 ATTENTION_EFFICIENCY = 0.75
-# Half of a GEMM dimension at which a tile-based kernel reaches half its large-shape efficiency.
-GEMM_HALF_SIZE = 128
 # Communication overlapped with compute still slows it: NCCL kernels occupy SMs and memory
 # bandwidth (Jangda et al. 2022, "Breaking the Computation and Communication Abstraction
 # Barrier in Distributed Machine Learning Workloads", section 2): charge 20% of the overlap.
@@ -51,11 +49,12 @@ ZERO3_OVERLAP = 0.5
 HOST_ADAM_PARAMS_PER_S = 1e9
 
 
-def shape_efficiency(*dims: float) -> float:
-    """Fraction of large-GEMM throughput left for a GEMM with these per-GPU dimensions."""
+def shape_efficiency(half_size: float, *dims: float) -> float:
+    """Fraction of large-GEMM throughput left for a GEMM with these per-GPU dimensions (each
+    dimension at `half_size`, the cluster's gemm_half_size, halves it)."""
     eff = 1.0
     for dim in dims:
-        eff *= dim / (dim + GEMM_HALF_SIZE)
+        eff *= dim / (dim + half_size)
     return eff
 
 
@@ -154,15 +153,14 @@ def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
 
     # --- one layer, one micro-batch, forward GEMMs on one TP rank
     gemms = [((q + 2 * kv) / tp, h), (h, q / tp), (ffn_in / tp, h), (h, m.ffn_hidden_size / tp)]  # (N, K)
-    gemm_fwd = sum(2 * tokens * n * k / (peak * shape_efficiency(tokens, n, k)) for n, k in gemms)
+    gemm_fwd = sum(2 * tokens * n * k / (peak * shape_efficiency(c.gemm_half_size, tokens, n, k)) for n, k in gemms)
     heads = m.num_attention_heads / tp
     if cfg.train.attention_backend == "flash":  # skips the masked half of the causal scores
         block = seq / (2 * cp) if cp > 1 else tokens  # context parallel attends in 2*cp chunks
-        core_fwd = (
-            2 * 2 * tokens * seq * (q / tp) * 0.5 / (core_peak * ATTENTION_EFFICIENCY * shape_efficiency(block, d))
-        )
+        attention_peak = core_peak * ATTENTION_EFFICIENCY * shape_efficiency(c.gemm_half_size, block, d)
+        core_fwd = 2 * 2 * tokens * seq * (q / tp) * 0.5 / attention_peak
     else:  # batched GEMMs per head over all s^2 scores, softmax through HBM (2 passes fwd, 3 bwd / 3)
-        core_fwd = 2 * 2 * tokens * seq * (q / tp) / (core_peak * shape_efficiency(seq, seq, d))
+        core_fwd = 2 * 2 * tokens * seq * (q / tp) / (core_peak * shape_efficiency(c.gemm_half_size, seq, seq, d))
         core_fwd += 5 / 3 * heads * tokens * seq * nbytes / hbm
     elementwise = backend.elementwise_traffic * _elementwise_bytes(m, tokens, tp, p.sequence_parallel, nbytes) / hbm
     tp_bw = c.intra_node_bandwidth_gbs if tp <= c.gpus_per_node else c.inter_node_bandwidth_gbs
@@ -182,7 +180,7 @@ def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
     # --- per micro-batch on the slowest stage (the last one adds the logits)
     vocab_shard = layout.padded_vocab_size / tp
     logits = (
-        3 * 2 * tokens * h * vocab_shard / (peak * shape_efficiency(tokens, vocab_shard, h))
+        3 * 2 * tokens * h * vocab_shard / (peak * shape_efficiency(c.gemm_half_size, tokens, vocab_shard, h))
         + 4 * tokens * vocab_shard * 4 / hbm
     )
     sharing = _core_sharing(cfg, layout)
