@@ -107,6 +107,27 @@ def _patch_torch_cuda() -> None:
     cuda.nvtx.range_push = cuda.nvtx.range_pop = lambda *a, **k: None
 
 
+def _import_megatron_without_compiling() -> None:
+    """megatron-core wraps its fused element-wise functions in torch.compile when it is imported
+    (megatron.core.jit.jit_fuser), and torch.compile imports TorchDynamo and Inductor: 1.5-2.5 s
+    of every rank's start. On the CPU they run eagerly (as with disable_jit_fuser), so import
+    megatron.core with torch.compile as the identity decorator."""
+    if "megatron.core" in sys.modules:
+        return
+    compile_ = torch.compile
+
+    def identity(model=None, **options):
+        return (lambda fn: fn) if model is None else model
+
+    torch.compile = identity
+    try:
+        from megatron.core import jit
+
+        jit.disable_jit_fuser()
+    finally:
+        torch.compile = compile_
+
+
 def _fork_write_results_queue() -> None:
     """dist_checkpointing's writers report through a multiprocessing Manager queue that it starts
     on the first save from a *spawned* interpreter (CUDA-safe: no forked CUDA context), which
@@ -158,6 +179,7 @@ def enable() -> None:
     if torch.cuda.is_available() or _mode is not None:
         return
     _patch_torch_cuda()
+    _import_megatron_without_compiling()
     _patch_megatron()
     _mode = _CudaOnCpu()
     _mode.__enter__()
