@@ -22,8 +22,11 @@ def compose():
 def no_processes_left_behind(tmp_path):
     """No process of this test's runs (their command lines name its directory) outlives the test."""
     yield
-    time.sleep(1)
-    left = subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split()
+    deadline = time.monotonic() + 2  # a rank that is ending may take a moment to go
+    while left := subprocess.run(["pgrep", "-f", str(tmp_path)], capture_output=True, text=True).stdout.split():
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.2)
     assert not left, f"training processes left behind: {left}"
 
 
