@@ -199,3 +199,34 @@ def test_plan_cli_table_and_json(tmp_path):
     assert check.returncode == 0, check.stderr
     bad = subprocess.run(args + ["--top", "zero"], cwd=tmp_path, capture_output=True, text=True)
     assert bad.returncode == 2 and "--top" in bad.stderr
+
+
+def test_the_predicted_scaling_curve_doubles_the_gpus_and_judges_each_doubling(compose):
+    """plan --scaling: weak scaling grows the global batch with the GPUs (the batch per GPU stays),
+    strong keeps it; each size's row is the search's best layout at that size; the gain of a
+    doubling is tokens/s over tokens/s, and a curve whose doublings all gain 2x has no verdict."""
+    from toolkit.plan.scaling import predicted_curve
+    from toolkit.report.scaling import doublings, first_below
+
+    cfg = compose("model=llama3_8b", "cluster=h100_cluster", "cluster.nodes=1", "train.global_batch=64")
+    weak = predicted_curve(cfg, 8, 32, "weak")
+    assert [(r["world_size"], r["global_batch"]) for r in weak] == [(8, 64), (16, 128), (32, 256)]
+    best = search(compose("model=llama3_8b", "cluster=h100_cluster", "cluster.nodes=2", "train.global_batch=128"))
+    assert weak[1]["tokens_per_s"] == pytest.approx(best.ranked[0].step.tokens_per_s)
+    steps = doublings(weak)
+    assert [s.gain for s in steps] == pytest.approx(
+        [weak[1]["tokens_per_s"] / weak[0]["tokens_per_s"], weak[2]["tokens_per_s"] / weak[1]["tokens_per_s"]]
+    )
+    strong = predicted_curve(cfg, 8, 32, "strong")
+    assert [r["global_batch"] for r in strong] == [64, 64, 64]
+    # strong scaling of a fixed batch gains less per doubling than weak scaling
+    assert doublings(strong)[-1].gain < steps[-1].gain
+    flat = [{"world_size": n, "tokens_per_s": 100.0 * n} for n in (1, 2, 4)]
+    assert first_below(doublings(flat)) is None
+    sagging = [
+        {"world_size": 1, "tokens_per_s": 100.0},
+        {"world_size": 2, "tokens_per_s": 190.0},
+        {"world_size": 4, "tokens_per_s": 290.0},
+    ]
+    verdict = first_below(doublings(sagging))
+    assert (verdict.from_ranks, verdict.to_ranks) == (2, 4) and verdict.gain == pytest.approx(290 / 190)
