@@ -141,6 +141,9 @@ def optimizer_groups(module: torch.nn.Module, weight_decay: float) -> list[dict]
 def initialize_engine(deepspeed, module: torch.nn.Module, cfg: Config, layout: Layout, ds_json: dict):
     """deepspeed.initialize with the emitted JSON, megatron-core's weight-decay groups and the run's
     learning-rate schedule."""
+    from toolkit.train.eager_imports import import_without_compiling
+
+    import_without_compiling("deepspeed.runtime.zero.muon.muon_optimizer")  # its ZeRO optimizer check imports it
     engine, _, _, _ = deepspeed.initialize(
         model=module,
         model_parameters=optimizer_groups(module, cfg.optim.weight_decay),

@@ -108,24 +108,12 @@ def _patch_torch_cuda() -> None:
 
 
 def _import_megatron_without_compiling() -> None:
-    """megatron-core wraps its fused element-wise functions in torch.compile when it is imported
-    (megatron.core.jit.jit_fuser), and torch.compile imports TorchDynamo and Inductor: 1.5-2.5 s
-    of every rank's start. On the CPU they run eagerly (as with disable_jit_fuser), so import
-    megatron.core with torch.compile as the identity decorator."""
-    if "megatron.core" in sys.modules:
-        return
-    compile_ = torch.compile
+    from toolkit.train.eager_imports import import_without_compiling
 
-    def identity(model=None, **options):
-        return (lambda fn: fn) if model is None else model
+    import_without_compiling("megatron.core")
+    from megatron.core import jit
 
-    torch.compile = identity
-    try:
-        from megatron.core import jit
-
-        jit.disable_jit_fuser()
-    finally:
-        torch.compile = compile_
+    jit.disable_jit_fuser()  # what later imports decorate runs eagerly too
 
 
 def _fork_write_results_queue() -> None:
