@@ -230,3 +230,9 @@ def test_the_predicted_scaling_curve_doubles_the_gpus_and_judges_each_doubling(c
     ]
     verdict = first_below(doublings(sagging))
     assert (verdict.from_ranks, verdict.to_ranks) == (2, 4) and verdict.gain == pytest.approx(290 / 190)
+
+
+def test_scale_and_plan_scaling_refuse_a_range_that_is_not_powers_of_two():
+    for command in (["scale", "--ranks", "3..8"], ["plan", "--scaling", "8-64"]):
+        done = subprocess.run([sys.executable, "-m", "toolkit.cli", *command], capture_output=True, text=True)
+        assert done.returncode in (1, 2) and "e.g. 1..8" in done.stderr and "Traceback" not in done.stderr, done
