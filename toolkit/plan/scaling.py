@@ -13,7 +13,7 @@ import dataclasses
 from toolkit.config.schema import Config
 from toolkit.plan.layout import world_size
 from toolkit.plan.search import search
-from toolkit.report.scaling import doublings, first_below
+from toolkit.report.scaling import doublings, verdict
 
 
 def resized(cfg: Config, gpus: int, mode: str) -> Config:
@@ -61,11 +61,5 @@ def curve_table(rows: list[dict], threshold: float) -> str:
             f"{r['world_size']:>7}{r['global_batch']:>14}  {r['layout']:<44}{r['tokens_per_s']:>14,.0f}"
             f"{r['mfu']:>7.1%}{gain:>8}{eff:>6}"
         )
-    below = first_below(doublings(rows, threshold))
-    lines.append(
-        f"predicted: the doubling {below.from_ranks} -> {below.to_ranks} GPUs gains {below.gain:.2f}x, under "
-        f"{threshold:g}x per 2x"
-        if below
-        else f"predicted: every doubling gains at least {threshold:g}x per 2x"
-    )
+    lines.append(f"predicted: {verdict(rows, threshold, unit='GPUs')}")
     return "\n".join(lines)

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from toolkit.config.schema import Config
-from toolkit.report.scaling import doublings, first_below
+from toolkit.report.scaling import doublings, first_below, verdict
 from toolkit.report.sweep import SweepOptions, describe_sweep, point_dir, progress_line, read_rows, run_point
 
 DIMENSIONS = ("dp", "tp", "pp")
@@ -100,13 +100,9 @@ def scaling_table(rows: list[dict], threshold: float) -> str:
             f"{r.get('world_size') or '-':>6}{shape:>22}{measured:>12}{predicted:>12}{gain:>8}{efficiency:>12}"
             f"  {r['status']}"
         )
-    below = first_below(doublings(rows, threshold))
-    lines.append(
-        f"\nthe doubling {below.from_ranks} -> {below.to_ranks} ranks gains {below.gain:.2f}x, under {threshold:g}x "
-        "per 2x: scale no further along this dimension"
-        if below
-        else f"\nevery doubling gains at least {threshold:g}x per 2x"
-    )
+    line = verdict(rows, threshold)
+    stop = first_below(doublings(rows, threshold)) is not None
+    lines.append(f"\n{line}" + (": scale no further along this dimension" if stop else ""))
     return "\n".join(lines)
 
 

@@ -41,3 +41,14 @@ def doublings(rows: list[dict], threshold: float = DEFAULT_THRESHOLD, key: str =
 def first_below(steps: list[Doubling]) -> Doubling | None:
     """The first doubling whose marginal gain falls under the threshold: scale no further."""
     return next((s for s in steps if s.below_threshold), None)
+
+
+def verdict(rows: list[dict], threshold: float = DEFAULT_THRESHOLD, unit: str = "ranks") -> str:
+    """One line: the first doubling under the threshold, or that every doubling clears it."""
+    below = first_below(doublings(rows, threshold))
+    if below is None:
+        return f"every doubling gains at least {threshold:g}x per 2x"
+    return (
+        f"the doubling {below.from_ranks} -> {below.to_ranks} {unit} gains {below.gain:.2f}x, under {threshold:g}x "
+        "per 2x"
+    )
