@@ -13,6 +13,7 @@ from training_runs import (
     Trained,
     assert_same_parameters,
     assert_same_training,
+    assert_stage_times,
     checkpoint_parameters,
     run,
     trained,
@@ -90,6 +91,7 @@ def layout_runs(tmp_path_factory):
 def test_layout_reproduces_single_process_training(reference, layout_runs, variant):
     got = layout_runs(variant)
     assert_same_training(reference, got, TOLERANCE, grad_norm=variant != "zero0_dp2")  # ZeRO-0 reports none
+    assert_stage_times(got, 2 if variant.startswith("pipeline") else 1)
 
 
 def test_export_reproduces_the_loss_the_run_computed(tmp_path, reference):

@@ -17,6 +17,7 @@ import pytest
 from training_runs import (
     Tolerance,
     assert_same_training,
+    assert_stage_times,
     dist_checkpoint_parameters,
     losses,
     run,
@@ -79,9 +80,9 @@ LAYOUTS = {
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layout_reproduces_single_process_training(tmp_path, reference, layout):
     run, init = reference
-    assert_same_training(
-        run, trained(tmp_path, layout, *COMMON, *LAYOUTS[layout], f"train.init_checkpoint={init}"), TOLERANCE
-    )
+    got = trained(tmp_path, layout, *COMMON, *LAYOUTS[layout], f"train.init_checkpoint={init}")
+    assert_same_training(run, got, TOLERANCE)
+    assert_stage_times(got, next((int(o[len("parallel.pp=") :]) for o in LAYOUTS[layout] if "pp=" in o), 1))
 
 
 @pytest.mark.mutation

@@ -237,3 +237,16 @@ def parameter_differences(reference: dict, got: dict) -> dict:
 def assert_same_parameters(reference: dict, got: dict, tolerance: float) -> None:
     off = {name: rms for name, rms in parameter_differences(reference, got).items() if not rms <= tolerance}
     assert not off, f"final parameters differ (RMS) by more than {tolerance}: {off}"
+
+
+def assert_stage_times(run: Trained, pp: int) -> None:
+    """Every rank recorded its compute seconds per step (toolkit.train.probe) and result.json the
+    time per pipeline stage: each positive, and no rank computing longer than the step took
+    (which counting evaluation, a send or receive, or a pass twice would break)."""
+    ranks, stages = run.result["ranks"], run.result["stage_times_s"]
+    assert len(stages) == pp and all(t > 0 for t in stages), stages
+    assert sorted(r["stage"] for r in ranks) == sorted(s for s in range(pp) for _ in range(len(ranks) // pp))
+    step_times = [r["step_time_s"] for r in run.records]
+    for r in ranks:
+        assert len(r["compute_s"]) == len(step_times)
+        assert all(0 < c <= wall for c, wall in zip(r["compute_s"], step_times)), (r, step_times)

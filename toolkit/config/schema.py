@@ -336,6 +336,10 @@ class TrainConfig:
     init_checkpoint: Optional[str] = None
     # Save the initial weights there before the first step (to start other layouts from them).
     save_init_checkpoint: Optional[str] = None
+    # CPU: record each rank's peak bytes held by tensors (torch.profiler's memory events over
+    # start-up and the first two steps, which it slows); sweeps turn it on. GPUs always record
+    # the allocator's peak.
+    profile_memory: bool = False
     fault: FaultConfig = field(default_factory=FaultConfig)
 
 

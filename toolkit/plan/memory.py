@@ -191,7 +191,15 @@ def stage_memory(cfg: Config, layout: Layout, stage: int, flash: bool | None = N
 
     buffers = 2 * tokens * m.hidden_size * nbytes  # pipeline send/recv or sequence-parallel all-gather
     if backend.grad_reduce is GradReduce.ZERO_STAGED and zero_stage >= 1:
-        buffers += z.reduce_bucket_size * nbytes  # gradient reduction bucket
+        # Gradient reduction buckets (DeepSpeed runtime/zero/stage_1_and_2.py, stage3.py): ZeRO-2/3
+        # allocate reduce_bucket_size elements whatever the model's size, ZeRO-2 twice with
+        # overlap_comm (setup_buckets: "double buffers", one filling while the other reduces);
+        # ZeRO-1 (no contiguous gradients, as parakit emits it) flattens its gradients a bucket
+        # at a time, so at most the stage's gradients.
+        if zero_stage == 1:
+            buffers += min(z.reduce_bucket_size, params.total) * nbytes
+        else:
+            buffers += (2 if z.overlap_comm and zero_stage == 2 else 1) * z.reduce_bucket_size * nbytes
         # prefetched and live gathered parameters: at least one layer
         if backend.shards_params_from_stage is not None and zero_stage >= backend.shards_params_from_stage:
             buffers += max(z.stage3_prefetch_bucket_size, layer_params(m)) * nbytes

@@ -10,7 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from toolkit.report.scaling import DEFAULT_THRESHOLD
-from toolkit.report.sweep import _layout_fields, _predicted, measured, read_metrics
+from toolkit.report.sweep import _layout_fields, _predicted, measured, read_metrics, read_result
 
 # Every field that tells one layout from another, besides the world size.
 LAYOUT_KEYS = ("backend", "tp", "pp", "vpp", "cp", "dp", "zero", "micro_batch", "recompute", "precision")
@@ -82,14 +82,6 @@ class ReportData:
         return (self.scaling or {}).get("dimension", "dp")
 
 
-def _result(run_dir: Path) -> dict:
-    path = run_dir / "result.json"
-    try:
-        return json.loads(path.read_text()) if path.is_file() else {}
-    except json.JSONDecodeError:
-        return {}
-
-
 def _planned(run_dir: Path):
     """(Config, Layout) from the run's config.yaml, or None where there is none or it no longer
     reads (an older parakit's, or edited by hand): the report then shows the measurements alone."""
@@ -136,7 +128,7 @@ def _point(row: dict, label: str, directory: Path) -> Point:
     point.val_losses = [(r["step"], r["val_loss"]) for r in records if "val_loss" in r]
     if (row.get("pp") or 1) > 1 and row.get("status") != "invalid":
         point.predicted_stage_times = _predicted_stage_times(run_dir)
-        recorded = _result(run_dir).get("stage_times_s")
+        recorded = read_result(run_dir).get("stage_times_s")
         if isinstance(recorded, list) and len(recorded) == len(point.predicted_stage_times):  # one per stage
             point.measured_stage_times = recorded
     return point

@@ -60,12 +60,17 @@ TABLE: tuple[tuple[str, Callable[[Point], str]], ...] = (
     ("memory GiB", _field("memory_gib")),
     ("predicted GiB", _field("predicted_memory_gib")),
     ("memory error", lambda p: _error_pct(p, "memory_gib")),
+    ("RSS GiB", _field("rss_gib")),
     ("final loss", _field("final_loss", digits=5)),
     ("error", lambda p: _first_line(p.row.get("error"))),
 )
 
 
-ERRORS_MEAN = "The error columns are the planner's: (predicted - measured) / measured."
+ERRORS_MEAN = (
+    "The error columns are the planner's: (predicted - measured) / measured. Memory is the most bytes "
+    "tensors held on any rank (the GPU allocator's peak; on CPU profiled), what the planner predicts; "
+    "RSS is the largest resident set (CPU), which also holds the interpreter and the libraries."
+)
 
 
 def scaling_summary(data: ReportData) -> list[str]:

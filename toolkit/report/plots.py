@@ -221,7 +221,7 @@ def plot_predicted_vs_measured(data: ReportData, out_dir: Path) -> Plot | None:
     """Step time and peak memory: each measured point against its prediction, on y = x."""
     panels = (
         ("step_time_s", "predicted_step_time_s", "step time (s)"),
-        ("memory_gib", "predicted_memory_gib", "peak memory per rank (GiB)"),
+        ("memory_gib", "predicted_memory_gib", "peak tensor memory, busiest rank (GiB)"),
     )
     measured_points = [p for p in data.points if p.measured]
     if not measured_points:

@@ -13,6 +13,7 @@ same sweep runs again.
 from __future__ import annotations
 
 import csv
+import dataclasses
 import fcntl
 import io
 import json
@@ -49,6 +50,7 @@ COLUMNS = (
     "tflops_per_gpu",
     "mfu",
     "memory_gib",
+    "rss_gib",
     "final_loss",
     "predicted_step_time_s",
     "predicted_tokens_per_s",
@@ -132,9 +134,23 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return records
 
 
+def read_result(run_dir: Path) -> dict:
+    """The run's result.json (a finished run's summary); {} when there is none or it is torn."""
+    path = run_dir / "result.json"
+    try:
+        return json.loads(path.read_text()) if path.is_file() else {}
+    except json.JSONDecodeError:
+        return {}
+
+
 def measured(run_dir: Path, warmup_steps: int) -> dict:
-    """Medians over the steps after the warm-up (all steps when the run is shorter), the peak
-    memory over all of them, and the last loss, from the run's metrics.jsonl."""
+    """Medians over the steps after the warm-up (all steps when the run is shorter) and the last
+    loss, from the run's metrics.jsonl; peak memory and the time each pipeline stage computes from
+    every rank's figures in result.json (toolkit.train.probe), where the run finished.
+    memory_gib is the most any rank's tensors held (GPU: the allocator's peak; CPU: profiled
+    tensor bytes), what the planner predicts; rss_gib the largest resident set (CPU)."""
+    from toolkit.train.probe import stage_times
+
     records = [r for r in read_metrics(run_dir) if "loss" in r]
     if not records:
         return {}
@@ -143,14 +159,25 @@ def measured(run_dir: Path, warmup_steps: int) -> dict:
     def median(key):
         return statistics.median(r[key] for r in timed)
 
-    return {
+    figures = {
         "step_time_s": median("step_time_s"),
         "tokens_per_s": median("tokens_per_s"),
         "tflops_per_gpu": median("tflops_per_gpu"),
         "mfu": median("mfu"),
-        "memory_gib": max(r["memory_gib"] for r in records),
+        "memory_gib": None,
+        "rss_gib": None,
         "final_loss": records[-1]["loss"],
     }
+    result = read_result(run_dir)
+    ranks = result.get("ranks")
+    if ranks:
+        pp = 1 + max(r["stage"] for r in ranks)
+        figures |= {
+            "memory_gib": result.get("tensor_peak_gib"),
+            "rss_gib": result.get("peak_rss_gib"),
+            "stage_times_s": stage_times(ranks, pp, warmup_steps),
+        }
+    return figures
 
 
 def _status(returncode: int | None, log_tail: str) -> str:
@@ -258,6 +285,7 @@ def run_point(cfg: Config, overrides: list[str], run_dir: Path, sweep_dir: Path,
         row |= _layout_fields(cfg, None) | {"status": "invalid", "error": "; ".join(map(str, report.errors))}
     else:
         layout = resolve(cfg)
+        cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, profile_memory=True))  # tensor bytes on CPU
         write_run_files(cfg, layout, run_dir)
         code, tail = _train(cfg, layout, run_dir, opts.timeout_s)
         status = _status(code, tail)

@@ -45,11 +45,12 @@ class DataParallelSteps(deepspeed_engine.EngineSteps):
         total = torch.zeros((), dtype=torch.float32, device=engine.device)  # NCCL reduces device tensors
         for _ in range(layout.grad_accum):
             batch = {k: v.to(engine.device) for k, v in next(self.batches).items()}
-            logits = engine(input_ids=batch["tokens"], position_ids=batch["position_ids"]).logits
-            loss = deepspeed_engine.token_loss(logits, batch["labels"], batch["loss_mask"])
-            if poison:  # train.fault.nan_at_step: NaN gradients follow, as after a numerical fault
-                loss = loss * float("nan")
-            engine.backward(loss)
+            with self.compute.timing():
+                logits = engine(input_ids=batch["tokens"], position_ids=batch["position_ids"]).logits
+                loss = deepspeed_engine.token_loss(logits, batch["labels"], batch["loss_mask"])
+                if poison:  # train.fault.nan_at_step: NaN gradients follow, as after a numerical fault
+                    loss = loss * float("nan")
+                engine.backward(loss)
             engine.step()
             total += loss.detach().float()  # no host sync per micro-batch
             beat(step)

@@ -24,6 +24,7 @@ from toolkit.train import deepspeed_checkpoint
 from toolkit.train.checkpoint import Resume
 from toolkit.train.distributed import end_process_group
 from toolkit.train.loop import Update
+from toolkit.train.probe import ComputeTimers
 
 
 def init_deepspeed():
@@ -167,6 +168,7 @@ class EngineSteps:
 
     def __init__(self, cfg: Config, layout: Layout, engine):
         self.cfg, self.layout, self.engine = cfg, layout, engine
+        self.compute = ComputeTimers()
 
     def load(self, root: Path) -> Resume:
         return deepspeed_checkpoint.load(self.engine, root, self.layout)

@@ -115,6 +115,24 @@ def _pipe_batches(batches):
         yield (batch["tokens"], batch["position_ids"]), (batch["labels"], batch["loss_mask"])
 
 
+def _time_passes(engine, compute) -> None:
+    """The engine's forward and backward pass instructions, timed (this engine only: its schedule
+    looks each instruction up in _INSTRUCTION_MAP); sends and receives are not compute."""
+    from deepspeed.runtime.pipe import schedule
+
+    def timed(execute):
+        def run(self, **kwargs):
+            with compute.timing():
+                return execute(self, **kwargs)
+
+        return run
+
+    passes = (schedule.ForwardPass, schedule.BackwardPass)
+    engine._INSTRUCTION_MAP = {
+        kind: timed(execute) if kind in passes else execute for kind, execute in engine._INSTRUCTION_MAP.items()
+    }
+
+
 class PipelineSteps(deepspeed_engine.EngineSteps):
     """DeepSpeed's PipelineEngine: train_batch runs the step's micro-batches (1F1B) and the update."""
 
@@ -136,6 +154,7 @@ class PipelineSteps(deepspeed_engine.EngineSteps):
         del model
         steps = cls(cfg, layout, deepspeed_engine.initialize_engine(deepspeed, pipe, cfg, layout, ds_json))
         steps.pipe_loss = pipe_loss
+        _time_passes(steps.engine, steps.compute)
         return steps
 
     def begin_at(self, step: int) -> None:

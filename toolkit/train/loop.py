@@ -20,6 +20,7 @@ from toolkit.plan.layout import Layout
 from toolkit.train.checkpoint import Resume
 from toolkit.train.faults import Watchdog, first_attempt, inject_step_faults
 from toolkit.train.metrics import Metrics
+from toolkit.train.probe import ComputeTimers, MemoryProbe, gather_ranks
 from toolkit.train.save_schedule import SaveSchedule
 
 
@@ -41,6 +42,8 @@ class Update:
 
 class BackendSteps(Protocol):
     """One backend's side of the loop."""
+
+    compute: ComputeTimers  # the seconds this rank spends in forward and backward compute
 
     def load(self, root: Path) -> Resume:
         """Restore the newest good checkpoint under `root` (collectively); Resume() when none."""
@@ -115,8 +118,18 @@ class NanPolicy:
             print(f"{what} at step {step}: update skipped (train.fault.nan_action=skip)", flush=True)
 
 
-def train(cfg: Config, layout: Layout, run_dir: Path, steps: BackendSteps, backend_name: str) -> list[float]:
-    """Train `steps` from the newest good checkpoint (or step 0) to layout.steps; the loss curve."""
+def train(
+    cfg: Config,
+    layout: Layout,
+    run_dir: Path,
+    steps: BackendSteps,
+    backend_name: str,
+    memory: MemoryProbe | None = None,
+) -> list[float]:
+    """Train `steps` from the newest good checkpoint (or step 0) to layout.steps; the loss curve.
+    `memory`: the probe started before the model was built (toolkit.train.probe)."""
+    memory = memory or MemoryProbe(profile_tensors=False)
+    compute_s = []  # this rank's forward+backward compute seconds per step
     root = checkpoint_root(cfg, run_dir)
     fault = cfg.train.fault
     resume = steps.load(root) if cfg.checkpoint.resume else Resume()
@@ -129,14 +142,18 @@ def train(cfg: Config, layout: Layout, run_dir: Path, steps: BackendSteps, backe
         for step in range(resume.step + 1, layout.steps + 1):
             inject_step_faults(fault, step)
             poison = fault.nan_at_step == step and first_attempt()
+            steps.compute.reset()  # evaluation's forward passes are not the step's
             grads = steps.forward_backward(step, poison, watchdog.beat)
+            compute_s.append(steps.compute.seconds)
             problem = nan_policy.problem(grads)
             if problem:
                 nan_policy.check(problem, step, steps)
                 metrics.step(step, grads.loss, steps.lr(), None, True)
+                memory.step_done()
                 continue
             update = steps.update()
             metrics.step(step, grads.loss, steps.lr(), update.grad_norm, not update.applied)
+            memory.step_done()
             if cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or step == layout.steps):
                 with watchdog.suspended():
                     metrics.evaluated(step, steps.evaluate())
@@ -152,6 +169,8 @@ def train(cfg: Config, layout: Layout, run_dir: Path, steps: BackendSteps, backe
         raise
     with watchdog.suspended():
         steps.settle_saves(blocking=True)
-    losses = metrics.close(run_dir)
+        memory.close()
+        ranks = gather_ranks(compute_s, memory, layout.world_size, layout.pp)
+    losses = metrics.close(run_dir, ranks=ranks)
     steps.close()
     return losses

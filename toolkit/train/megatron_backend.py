@@ -21,6 +21,7 @@ from toolkit.train.data import build_datasets, eval_batches, micro_batches
 from toolkit.train.distributed import end_process_group, init_process_group
 from toolkit.train.loop import Gradients, Update
 from toolkit.train.megatron_configs import build_megatron_configs
+from toolkit.train.probe import ComputeTimers
 
 _OPTIMIZER_FORMAT = {"distrib_optim_sharding_type": "fully_reshardable"}  # loadable at any dp/tp/pp
 
@@ -224,6 +225,7 @@ class MegatronSteps:
         ]
         config.no_sync_func = [m.no_sync for m in self.model] if len(self.model) > 1 else self.model[0].no_sync
         config.finalize_model_grads_func = finalize_model_grads
+        self.compute = config.timers = ComputeTimers()  # the schedule times its compute with it
         self.optimizer = get_megatron_optimizer(optimizer_config, self.model)
         if config.fp16:
             config.grad_scale_func = self.optimizer.scale_loss

@@ -24,6 +24,7 @@ from toolkit.plan.memory import GIB, peak_memory
 from toolkit.plan.perf import estimate_step, mfu_peak_flops
 from toolkit.train.checkpoint import Resume
 from toolkit.train.faults import restart_count
+from toolkit.train.probe import stage_times
 
 
 def peak_memory_gib() -> float:
@@ -31,6 +32,11 @@ def peak_memory_gib() -> float:
     if torch.cuda.is_available():
         return torch.cuda.max_memory_allocated() / GIB
     return psutil.Process().memory_info().rss / GIB
+
+
+def _max_of(ranks: list[dict], key: str) -> float | None:
+    values = [r[key] for r in ranks if r.get(key) is not None]
+    return max(values) if values else None
 
 
 class Metrics:
@@ -129,9 +135,10 @@ class Metrics:
             sys.stdout.flush()
         self._last = time.perf_counter()
 
-    def close(self, run_dir: Path, complete: bool = True) -> list[float]:
-        """Flush everything; result.json only for a run that completed (it marks success).
-        Returns the loss curve (every rank keeps it)."""
+    def close(self, run_dir: Path, complete: bool = True, ranks: list[dict] | None = None) -> list[float]:
+        """Flush everything; result.json only for a run that completed (it marks success), with
+        every rank's measurements (`ranks`, toolkit.train.probe.gather_ranks). Returns the loss
+        curve (every rank keeps it)."""
         losses = [r["loss"] for r in self.history]
         if not self.enabled:
             return losses
@@ -152,6 +159,21 @@ class Metrics:
             "restarts": restart_count(),
             **self.resume.record(),
         }
+        if ranks:
+            summary |= {
+                "ranks": ranks,
+                "stage_times_s": stage_times(ranks, self.layout.pp),
+                "tensor_peak_gib": _max_of(ranks, "tensor_peak_gib"),
+                "peak_rss_gib": _max_of(ranks, "peak_rss_gib"),
+            }
+            if self.layout.pp > 1:  # the guide: judge a pipeline by how even its stages are
+                times = summary["stage_times_s"]
+                listing = ", ".join(f"{t:.3g}" for t in times)
+                print(
+                    f"pipeline stages compute {listing} s per step; the slowest is "
+                    f"{max(times) / max(min(times), 1e-9):.2g}x the fastest",
+                    flush=True,
+                )
         tmp = run_dir / ".result.json.tmp"
         tmp.write_text(json.dumps(summary, indent=2))
         os.replace(tmp, run_dir / "result.json")  # written last: a finished run has result.json

@@ -57,10 +57,13 @@ def run(cfg: Config, run_dir: Path) -> list[float]:
     """Train `cfg` as this rank of the job (validated first: a ValidationError lists every error),
     writing checkpoints, metrics.jsonl, TensorBoard events and result.json under `run_dir`;
     returns the loss curve. The backend description names the module whose steps the loop drives."""
+    from toolkit.train.probe import MemoryProbe
+
     layout, _ = check(cfg)
     backend = backend_of(cfg)
+    memory = MemoryProbe(profile_tensors=cfg.train.profile_memory)  # before the model exists
     steps = importlib.import_module(backend.trainer).setup(cfg, layout)
-    return loop.train(cfg, layout, run_dir, steps, backend.name)
+    return loop.train(cfg, layout, run_dir, steps, backend.name, memory)
 
 
 def run_to_exit_code(cfg: Config, run_dir: Path) -> int:
