@@ -136,7 +136,14 @@ def test_a_weak_scaling_curve_is_measured_and_judged_per_doubling(scaled, tmp_pa
     points = sorted(document["points"], key=lambda r: r["world_size"])
     assert [(r["status"], r["world_size"], r["dp"]) for r in points] == [("ok", n, n) for n in (1, 2, 4)]
     assert [r["point"].count("train.global_batch=" + str(2 * r["dp"])) for r in points] == [1, 1, 1]  # weak
-    assert "2 -> 4" in done.stdout or "every doubling" in done.stdout
+    # the verdict names the first doubling whose measured gain is under 1.6x (which one depends on
+    # the machine's load: 2 cores time-share 4 ranks), or says every doubling clears it
+    gains = [
+        (b["tokens_per_s"] / a["tokens_per_s"], f"{a['world_size']} -> {b['world_size']}")
+        for a, b in zip(points, points[1:])
+    ]
+    first = next((where for gain, where in gains if gain < 1.6), None)
+    assert (f"doubling {first} ranks gains" if first else "every doubling gains") in done.stdout, (gains, done.stdout)
     from toolkit.cli import main
 
     assert main(["report", str(directory), "--output", str(tmp_path)]) == 0

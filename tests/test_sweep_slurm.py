@@ -114,6 +114,19 @@ def test_plain_submitit_slurm_runs_the_points_too(slurm_env, tmp_path):
     assert "sweep point 1 [" in log.read_text()
 
 
+@pytest.mark.slow
+def test_a_point_whose_slurm_job_dies_is_recorded_as_failed_and_the_sweep_goes_on(slurm_env, tmp_path):
+    """The batch script exits before the Hydra job starts (submitit's setup lines run first), as
+    when a node fails or Slurm kills the job: no row from the job, so the launcher records one."""
+    directory = tmp_path / "dies"
+    slurm = ["hydra/launcher=slurm", "hydra.launcher.partition=debug", "hydra.launcher.setup=[exit 3]"]
+    done = sweep(directory, slurm_env, *SHORT, "cluster.gpus_per_node=1", *slurm)
+    assert done.returncode == 0, (done.stdout + done.stderr)[-3000:]
+    (row,) = json.loads((directory / "sweep.json").read_text())["points"]
+    assert row["status"] == "failed" and re.match(r"slurm job \S+ \(FAILED\)", row["error"]), row
+    assert "sweep point 1/1" in done.stdout and "failed" in done.stdout
+
+
 def test_each_point_asks_for_a_cpu_per_rank_on_cpu_clusters_and_a_gpu_per_rank_on_gpu_clusters():
     cpu = OmegaConf.create({"cluster": {"device": "cpu", "nodes": 1, "gpus_per_node": 2}})
     gpu = OmegaConf.create({"cluster": {"device": "cuda", "nodes": 1, "gpus_per_node": 8}})
