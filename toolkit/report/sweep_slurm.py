@@ -87,7 +87,6 @@ def _failed_row(key: str, status: str, error: str) -> dict:
 
 def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list:
     """ParakitSlurmLauncher.launch: submit the points, wait for them, one JobReturn per point."""
-    import submitit
     from hydra.core.singleton import Singleton
     from hydra.core.utils import JobReturn, JobStatus, filter_overrides
 
@@ -142,15 +141,18 @@ def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: in
             log.info(f"\t#{initial_job_idx + i} : {point} -> slurm job {job.job_id}, {dict(request)}")
             jobs[job] = i
 
-    for job in submitit.helpers.as_completed(list(jobs), poll_frequency=2):
+    for job in _as_completed(list(jobs)):
         i = jobs[job]
         key = point_key(job_overrides[i])
         try:
+            if hasattr(job, "parakit_state"):  # ended without a result: results() would wait for ever
+                raise RuntimeError(_log_tail(job))
             result = job.results()[0]  # the Hydra job's JobReturn, pickled back by submitit
         except Exception as e:  # the Slurm job died before the point recorded itself
-            status = "timed_out" if "TIMEOUT" in str(job.state) else "failed"
+            state = getattr(job, "parakit_state", None) or str(job.state)
+            status = "timed_out" if "TIMEOUT" in state else "failed"
             tail = "\n".join(str(e).splitlines()[-15:])
-            record(sweep_dir, _failed_row(key, status, f"slurm job {job.job_id} ({job.state}): {tail}"))
+            record(sweep_dir, _failed_row(key, status, f"slurm job {job.job_id} ({state}): {tail}"))
             report(i, 0, _row(sweep_dir, key), job.job_id)
             continue
         if result.status != JobStatus.COMPLETED:  # the task raised: Hydra's sweeper reports it
@@ -160,6 +162,53 @@ def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: in
         report(i, result.return_value, _row(sweep_dir, key), job.job_id)
         returns[i] = result
     return returns
+
+
+# Slurm states of a job that ended (squeue/scontrol JobState).
+ENDED = ("COMPLETED", "FAILED", "TIMEOUT", "CANCELLED", "NODE_FAIL", "OUT_OF_MEMORY", "BOOT_FAIL", "DEADLINE")
+
+
+def _scontrol_state(job_id: str) -> str | None:
+    """The job's state from slurmctld (it keeps ended jobs for MinJobAge, 300 s by default); None
+    when it no longer knows the job."""
+    import re
+    import subprocess
+
+    out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True)
+    found = re.search(r"JobState=(\S+)", out.stdout) if out.returncode == 0 else None
+    return found.group(1) if found else None
+
+
+def _log_tail(job, lines: int = 15) -> str:
+    """The last lines of the job's stderr and stdout (submitit's log files), or what is missing."""
+    text = []
+    for path in (job.paths.stderr, job.paths.stdout):
+        if path.exists():
+            text += path.read_text(errors="replace").splitlines()
+    return "\n".join(text[-lines:]) or f"no output in {job.paths.folder}: the batch script ended before the job ran"
+
+
+def _as_completed(jobs: list, poll_s: float = 2.0):
+    """submitit's jobs as they end. submitit reads job states from sacct only: on a cluster without
+    accounting a job that died before writing its result (a failing batch script, a killed node) is
+    never done for it, so an ended job is also recognised by scontrol's state, and a job slurmctld
+    has forgotten without a result is taken as ended."""
+    pending = list(jobs)
+    while pending:
+        for job in list(pending):
+            if job.done():
+                pending.remove(job)
+                yield job
+                continue
+            state = job.state if job.state != "UNKNOWN" else _scontrol_state(job.job_id)
+            if state is None or state.split()[0] in ENDED:
+                time.sleep(poll_s)  # the result file is written before the job ends: one more look
+                if not job.done():
+                    job.parakit_state = state or "ENDED (forgotten by slurmctld)"
+                pending.remove(job)
+                yield job
+        if pending:
+            time.sleep(poll_s)
 
 
 def _row(sweep_dir: Path, key: str) -> dict | None:
