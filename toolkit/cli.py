@@ -255,6 +255,18 @@ def _sweep(cfg, opts) -> int:
     return 0  # a failed point is recorded, never the sweep's failure
 
 
+def _reproduce(cfg, opts) -> int:
+    from hydra.core.hydra_config import HydraConfig
+
+    from toolkit.config.store import search_path
+    from toolkit.reproduce.run import reproduce
+
+    hc = HydraConfig.get()
+    recipe = hc.runtime.choices.get("recipe")
+    dirs = search_path(opts.config_dir)
+    return reproduce(cfg, opts, recipe, list(hc.overrides.task), dirs, lambda c: _write_run_dir("reproduce", c))
+
+
 def _calibrate(cfg, opts) -> int:
     from toolkit.plan.calibrate import run_calibrate
 
@@ -457,6 +469,28 @@ COMMANDS = {
                 Option(("dir",), dict(metavar="DIR", help="a sweep or scaling directory (sweep.json) or a run")),
                 Option(("--output", "-o"), dict(metavar="OUT", help="where the report goes (default: DIR/report)")),
             ),
+        ),
+        Command(
+            "reproduce",
+            "recipe=NAME: run the recipe and compare it with its baseline (the loss at every step against the "
+            "golden curve; throughput and peak memory on the same hardware); exit 1 when they differ. --record "
+            "writes the baseline. A GPU recipe on a machine without GPUs prints its published figure beside the "
+            "planner's prediction",
+            _reproduce,
+            writes=True,
+            options=(
+                Option(
+                    ("--steps",),
+                    dict(
+                        type=_positive_int,
+                        metavar="K",
+                        help="stop after K steps (the schedule still spans the recipe's steps) and compare those",
+                    ),
+                ),
+                Option(("--record",), dict(action="store_true", help="write the run as the recipe's baseline")),
+                Option(("--force",), dict(action="store_true", help="with --record: replace a different baseline")),
+            ),
+            compose_with=lambda o: [f"train.stop_after_steps={o.steps}"] if o.steps else [],
         ),
         Command(
             "train",
