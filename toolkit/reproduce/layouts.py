@@ -81,6 +81,7 @@ def variants(layouts: str, backends: str) -> list[Variant]:
         raise LayoutError(f"--backends: {', '.join(unknown)}: the backends are megatron and deepspeed")
     if len(names) * len(chosen) < 2:
         raise LayoutError("--layouts/--backends: give at least two runs to compare (two layouts, or two backends)")
+    chosen.sort(key=lambda b: b != "megatron")  # megatron first: the DeepSpeed runs start from its weights
     return [Variant(b, n, parse_layout(n)) for b in chosen for n in names]
 
 
@@ -132,39 +133,55 @@ def reproduce_layouts(cfg: Config, opts, recipe: str, overrides: list[str], out_
     init, hf = out_dir / "initial-weights", out_dir / "initial-weights-hf"
     started = time.time()
     curves: dict[str, dict[int, float]] = {}
-    first_megatron = next((v for v in runs if v.backend == "megatron"), None)
+    trained: list[Variant] = []
+    init_from: Variant | None = None  # the megatron run that saved the initial weights
     for i, v in enumerate(runs, 1):
         run_dir = out_dir / v.name
-        weights = []
         if v.backend == "megatron":
-            weights = (
-                [f"train.save_init_checkpoint={init}"] if v is first_megatron else [f"train.init_checkpoint={init}"]
-            )
-        elif first_megatron is not None:
-            if not hf.exists():
-                converted = subprocess.run(
-                    [sys.executable, "-m", "toolkit.interop.megatron_to_hf", "--config",
-                     str(out_dir / first_megatron.name / "config.yaml"), "--checkpoint", str(init), "--out", str(hf)],
-                    capture_output=True, text=True,
-                )  # fmt: skip
-                if converted.returncode != 0:
-                    print(f"reproduce {recipe}: FAIL: converting the initial weights for DeepSpeed failed:")
-                    print(converted.stderr[-2000:])
-                    return 1
+            weights = [f"train.init_checkpoint={init}"] if init_from else [f"train.save_init_checkpoint={init}"]
+        elif init_from is not None:
+            if not hf.exists() and not _convert(init_from, init, hf, out_dir):
+                return 1
             weights = [f"model.hf_path={hf}"]
+        else:
+            weights = []  # DeepSpeed alone: its initialisation depends only on the seed
         command = [*base, f"recipe={recipe}", *user, *variant_overrides(v, vocab), *weights, f"hydra.run.dir={run_dir}"]
         code = _train(command, run_dir)
         elapsed = time.time() - started
+        outcome = {0: "done", 2: "invalid: not run"}.get(code, f"FAILED (exit {code})")
         print(
-            f"run {i}/{len(runs)} {v.name} ({v.world_size} ranks): {'done' if code == 0 else f'FAILED (exit {code})'}"
-            f" ({elapsed:.0f} s elapsed, about {elapsed / i * (len(runs) - i):.0f} s to go)",
+            f"run {i}/{len(runs)} {v.name} ({v.world_size} ranks): {outcome} ({elapsed:.0f} s elapsed, about "
+            f"{elapsed / i * (len(runs) - i):.0f} s to go)",
             flush=True,
         )
+        if code == 2:  # the validator refused the layout for this backend: its rules, then the next run
+            log = (run_dir / "reproduce-train.log").read_text(errors="replace").splitlines()
+            print("\n".join(f"  {line}" for line in log if line.startswith("error [")), flush=True)
+            continue
         if code != 0:
             print(f"reproduce {recipe}: FAIL: {v.name} did not train; its log: {run_dir / 'reproduce-train.log'}")
             return 1
+        if v.backend == "megatron" and init_from is None:
+            init_from = v
+        trained.append(v)
         curves[v.name] = _losses(run_dir)
-    return _compare(recipe, runs, curves, out_dir)
+    if len(trained) < 2:
+        print(f"parakit reproduce: {len(trained)} of the runs is valid: nothing to compare", file=sys.stderr)
+        return 2
+    return _compare(recipe, trained, curves, out_dir)
+
+
+def _convert(source: Variant, init: Path, hf: Path, out_dir: Path) -> bool:
+    """megatron's initial weights as a transformers directory, for the DeepSpeed runs."""
+    converted = subprocess.run(
+        [sys.executable, "-m", "toolkit.interop.megatron_to_hf", "--config", str(out_dir / source.name / "config.yaml"),
+         "--checkpoint", str(init), "--out", str(hf)],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    if converted.returncode != 0:
+        print("parakit reproduce: converting megatron's initial weights for the DeepSpeed runs failed:")
+        print(converted.stderr[-2000:])
+    return converted.returncode == 0
 
 
 def _tolerance(reference: Variant, v: Variant, steps: int) -> float:

@@ -176,13 +176,13 @@ def predicted_only(cfg: Config, recipe: str, baseline: bl.Baseline | None) -> in
         print("published: none recorded for this recipe (no baselines/ entry with a source)")
     else:
         print(f"published: {published.source}")
-        print(f'  "{published.quote}"')
-        print(
-            "  "
-            + ", ".join(
+        if published.quote:
+            print(f'  "{published.quote}"')
+        if published.figures:
+            figures = (
                 f"{k} {v:,}" if isinstance(v, (int, float)) else f"{k} {v}" for k, v in published.figures.items()
             )
-        )
+            print("  " + ", ".join(figures))
         if published.conditions:
             print(f"  conditions: {published.conditions}")
     step = estimate_step(cfg, layout)
