@@ -1,5 +1,5 @@
 """The two backends build the same model and train it the same way: from the same weights
-(megatron-core's initial weights, converted to transformers by scripts/convert_megatron_to_hf.py)
+(megatron-core's initial weights, converted to transformers by toolkit.interop.megatron_to_hf)
 their logits agree, and 10 training steps give the same loss, learning rate and gradient norm
 at every step. Mutations: a converter or config defect -- two query heads swapped, SwiGLU's gate
 and up projections swapped, the final norm dropped, another RoPE base -- is caught by the logits
@@ -49,7 +49,8 @@ def runs(tmp_path_factory):
     convert = subprocess.run(
         [
             sys.executable,
-            str(TESTS.parent / "scripts" / "convert_megatron_to_hf.py"),
+            "-m",
+            "toolkit.interop.megatron_to_hf",
             "--config",
             str(megatron.run_dir / "config.yaml"),
             "--checkpoint",

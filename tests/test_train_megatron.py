@@ -114,22 +114,33 @@ def test_bf16_trains_on_the_corpus(tmp_path):
 
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
-    """The README demo (tp2 pp2 vpp2, the corpus, GPT-2's 50,257 tokens padded to 50,432 at tp2);
-    it saves steps 11 and 12, for the export tests."""
+    """The README demo (tp2 pp2 vpp2, the corpus, GPT-2's 50,257 tokens padded to 50,432 at tp2),
+    reproduced against its baseline for its first 12 steps (`parakit reproduce --steps 12`: the
+    schedule is the recipe's); it saves steps 11 and 12, for the export tests."""
     result = run(
         tmp_path_factory.mktemp("demo"),
         "demo",
         "recipe=tiny_cpu_demo",
-        "train.steps=12",
+        "--steps",
+        "12",
         "checkpoint.interval_steps=11",
+        command="reproduce",
     )
-    assert result.returncode == 0, result.stderr[-3000:]
+    assert result.returncode in (0, 1), result.stderr[-3000:]  # 1: it trained, and differs from its baseline
     return result
 
 
 def test_readme_demo_trains_tp2_pp2_vpp2_on_the_corpus(demo):
     curve = losses(demo)
     assert curve[-1] < curve[0] - 0.3, curve
+
+
+def test_readme_demo_reproduces_its_golden_curve(demo):
+    """CI's regression check of the megatron backend's numerics: a change that moves the demo's
+    loss by more than the baseline's tolerance at any of the 12 steps fails here, naming the step."""
+    assert demo.returncode == 0 and "reproduce tiny_cpu_demo: PASS" in demo.stdout, demo.stdout[-4000:]
+    report = json.loads((demo.run_dir / "reproduce.json").read_text())
+    assert report["pass"] and len(report["loss"]["steps"]) == 12 and report["loss"]["tolerance"] <= 1e-4
 
 
 # Measured: the loss of step 12 from the exported step-11 weights (with the output layer's padding

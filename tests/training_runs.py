@@ -24,9 +24,10 @@ from toolkit.plan.layout import resolve
 MUTANTS = Path(__file__).parent / "mutants"
 
 
-def run(tmp_path, name, *overrides, timeout=600, mutation=None):
-    """`parakit train OVERRIDES` in tmp_path/name; the result carries .seconds and .run_dir.
-    `mutation` injects one of the test-only defects of tests/mutants/sitecustomize.py."""
+def run(tmp_path, name, *overrides, timeout=600, mutation=None, command="train"):
+    """`parakit train OVERRIDES` (or another `command`) in tmp_path/name; the result carries
+    .seconds and .run_dir. `mutation` injects one of the test-only defects of
+    tests/mutants/sitecustomize.py."""
     run_dir = tmp_path / name
     started = time.monotonic()
     env = {**os.environ, "PARAKIT_DIST_TIMEOUT_S": "180"}
@@ -35,7 +36,7 @@ def run(tmp_path, name, *overrides, timeout=600, mutation=None):
             PARAKIT_MUTATION=mutation, PYTHONPATH=os.pathsep.join(filter(None, [str(MUTANTS), env.get("PYTHONPATH")]))
         )
     result = subprocess.run(
-        [sys.executable, "-m", "toolkit.cli", "train", *overrides, f"hydra.run.dir={run_dir}"],
+        [sys.executable, "-m", "toolkit.cli", command, *overrides, f"hydra.run.dir={run_dir}"],
         cwd=tmp_path,
         capture_output=True,
         text=True,

@@ -255,6 +255,34 @@ def _sweep(cfg, opts) -> int:
     return 0  # a failed point is recorded, never the sweep's failure
 
 
+def _recipe_layout(cfg) -> str:
+    """The composed layout as a --layouts name (tp2_pp2_vpp2)."""
+    p = cfg.parallel
+    sizes = {"tp": p.tp, "pp": p.pp, "vpp": p.vpp, "cp": p.cp, "dp": p.dp}
+    return "_".join(f"{k}{v}" for k, v in sizes.items() if v and v > 1) or "dp1"
+
+
+def _reproduce(cfg, opts) -> int:
+    from hydra.core.hydra_config import HydraConfig
+
+    from toolkit.config.store import search_path
+    from toolkit.reproduce.run import reproduce
+
+    hc = HydraConfig.get()
+    recipe = hc.runtime.choices.get("recipe")
+    dirs = search_path(opts.config_dir)
+    if opts.layouts or opts.backends:
+        from toolkit.reproduce.layouts import reproduce_layouts
+
+        if not recipe or recipe == "null" or opts.record:
+            print("parakit reproduce: --layouts/--backends take a recipe=NAME and no --record", file=sys.stderr)
+            return 2
+        opts.layouts = opts.layouts or _recipe_layout(cfg)
+        opts.backends = opts.backends or str(cfg.backend.name)
+        return reproduce_layouts(cfg, opts, recipe, list(hc.overrides.task), Path(hc.runtime.output_dir))
+    return reproduce(cfg, opts, recipe, list(hc.overrides.task), dirs, lambda c: _write_run_dir("reproduce", c))
+
+
 def _calibrate(cfg, opts) -> int:
     from toolkit.plan.calibrate import run_calibrate
 
@@ -457,6 +485,40 @@ COMMANDS = {
                 Option(("dir",), dict(metavar="DIR", help="a sweep or scaling directory (sweep.json) or a run")),
                 Option(("--output", "-o"), dict(metavar="OUT", help="where the report goes (default: DIR/report)")),
             ),
+        ),
+        Command(
+            "reproduce",
+            "recipe=NAME: run the recipe and compare it with its baseline (the loss at every step against the "
+            "golden curve; throughput and peak memory on the same hardware); exit 1 when they differ. --record "
+            "writes the baseline. A GPU recipe on a machine without GPUs prints its published figure beside the "
+            "planner's prediction",
+            _reproduce,
+            writes=True,
+            options=(
+                Option(
+                    ("--steps",),
+                    dict(
+                        type=_positive_int,
+                        metavar="K",
+                        help="stop after K steps (the schedule still spans the recipe's steps) and compare those",
+                    ),
+                ),
+                Option(
+                    ("--layouts",),
+                    dict(
+                        metavar="L1,L2,...",
+                        help="train the recipe in each layout (tp2_pp2_vpp2,pp4_vpp2,dp4: sizes joined by _) from the "
+                        "same initial weights and compare the curves",
+                    ),
+                ),
+                Option(
+                    ("--backends",),
+                    dict(metavar="B1,B2", help="with --layouts: megatron,deepspeed (default: the recipe's backend)"),
+                ),
+                Option(("--record",), dict(action="store_true", help="write the run as the recipe's baseline")),
+                Option(("--force",), dict(action="store_true", help="with --record: replace a different baseline")),
+            ),
+            compose_with=lambda o: [f"train.stop_after_steps={o.steps}"] if o.steps else [],
         ),
         Command(
             "train",

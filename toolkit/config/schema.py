@@ -323,6 +323,9 @@ class TrainConfig:
     grad_accum: Optional[int] = None  # derived: global_batch / (micro_batch * dp)
     steps: Optional[int] = 50  # optimizer steps (or give tokens)
     tokens: Optional[int] = None  # total training tokens; sets steps when steps is null
+    # Stop after this many steps while the learning-rate schedule still spans train.steps (a short
+    # look at a long run, as Megatron-LM's --exit-interval): saved at the stop when checkpointing.
+    stop_after_steps: Optional[int] = None
     seed: int = 1234
     log_interval: int = 1
     # Validation loss every N steps (and after the last) on the validation part of data.split:

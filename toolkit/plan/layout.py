@@ -29,13 +29,19 @@ class Layout:
     seq_length: int
     padded_vocab_size: int
     stage_layers: tuple[int, ...]  # transformer layers on each pipeline stage
-    steps: int
+    steps: int  # the learning-rate schedule's length
     lr: float
     min_lr: float
     warmup_steps: int
     decay_steps: int
     bubble_fraction: float
     loader_workers: int = 0  # DataLoader processes per rank (data.num_workers, or its default)
+    stop_after_steps: int | None = None  # train.stop_after_steps
+
+    @property
+    def last_step(self) -> int:
+        """The step the run ends after: train.steps, or train.stop_after_steps when sooner."""
+        return min(self.steps, self.stop_after_steps or self.steps)
 
     @property
     def num_microbatches(self) -> int:
@@ -167,4 +173,5 @@ def resolve(cfg: Config) -> Layout:
         decay_steps=o.decay_steps if o.decay_steps is not None else steps,
         bubble_fraction=bubble_fraction(p.pp, p.vpp, grad_accum),
         loader_workers=loader_workers(cfg),
+        stop_after_steps=t.stop_after_steps,
     )

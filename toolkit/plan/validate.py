@@ -96,6 +96,7 @@ def _listing(values) -> str:
 # Closed sets of values (dtype, recompute, backend, ...) are enums in toolkit.config.schema:
 # composition refuses any other value and names the allowed ones.
 _AT_LEAST_ONE = (
+    "train.stop_after_steps",
     "train.eval_interval",
     "train.eval_iters",
     "model.num_layers",

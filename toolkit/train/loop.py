@@ -139,7 +139,7 @@ def train(
     schedule = SaveSchedule(cfg, layout)
     nan_policy = NanPolicy(cfg, root, backend_name)
     try:
-        for step in range(resume.step + 1, layout.steps + 1):
+        for step in range(resume.step + 1, layout.last_step + 1):
             inject_step_faults(fault, step)
             poison = fault.nan_at_step == step and first_attempt()
             steps.compute.reset()  # evaluation's forward passes are not the step's
@@ -154,7 +154,7 @@ def train(
             update = steps.update()
             metrics.step(step, grads.loss, steps.lr(), update.grad_norm, not update.applied)
             memory.step_done()
-            if cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or step == layout.steps):
+            if cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or step == layout.last_step):
                 with watchdog.suspended():
                     metrics.evaluated(step, steps.evaluate())
             save_now = schedule.due(step)

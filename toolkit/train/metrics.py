@@ -72,7 +72,7 @@ class Metrics:
             if sys.stderr.isatty():
                 from tqdm import tqdm
 
-                self._bar = tqdm(total=layout.steps, desc="training", unit="step")
+                self._bar = tqdm(total=layout.last_step, desc="training", unit="step")
             print(
                 f"planner: predicted step {self.predicted_step:.3g} s, peak memory {self.predicted_memory:.2f} GiB "
                 "per rank",
@@ -108,7 +108,7 @@ class Metrics:
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
-        if step % self.cfg.train.log_interval == 0 or step == self.layout.steps:
+        if step % self.cfg.train.log_interval == 0 or step == self.layout.last_step:
             line = (
                 f"step {step:>5}/{self.layout.steps} | loss {loss:.4f} | lr {lr:.3e} | grad norm "
                 f"{grad_norm if grad_norm is None else f'{grad_norm:.3f}'} | {record['step_time_s']:.2f} s "

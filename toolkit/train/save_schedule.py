@@ -30,7 +30,7 @@ class SaveSchedule:
     def due(self, step: int) -> bool:
         if not self.enabled:
             return False
-        if step == self.layout.steps or (self.interval_steps and step % self.interval_steps == 0):
+        if step == self.layout.last_step or (self.interval_steps and step % self.interval_steps == 0):
             return True
         if self.cfg.checkpoint.auto_interval and self.interval_steps is None:
             return True  # the first save measures the save time the planner's rule needs

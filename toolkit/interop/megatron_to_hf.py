@@ -2,7 +2,9 @@
 train.save_init_checkpoint) into a Hugging Face transformers directory (config.json +
 model.safetensors) that `backend=deepspeed model.hf_path=...` or transformers can load.
 
-    python scripts/convert_megatron_to_hf.py --config RUN_DIR/config.yaml --checkpoint CKPT_DIR --out HF_DIR
+    python -m toolkit.interop.megatron_to_hf --config RUN_DIR/config.yaml --checkpoint CKPT_DIR --out HF_DIR
+
+(`parakit reproduce --backends megatron,deepspeed` starts DeepSpeed from megatron's initial weights so.)
 """
 
 from __future__ import annotations

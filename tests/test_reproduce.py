@@ -1,0 +1,195 @@
+"""`parakit reproduce`: a recipe against its baseline (the golden loss curve, throughput and memory),
+a baseline recorded, layouts and backends against each other, GPU recipes' published figures.
+
+The CPU recipes' regressions: the ZeRO-3 recipe here (and altered on purpose: another learning rate,
+another seed, a layer dropped, each caught with its step and deviation), the README demo in
+tests/test_train_megatron.py (its run feeds the export tests too). Runs stop after a few steps
+(--steps: the learning-rate schedule still spans the recipe's steps, so those steps are the
+golden curve's)."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from toolkit.reproduce.baseline import Baseline, Measured
+from toolkit.reproduce.compare import compare, correlation
+from toolkit.reproduce.layouts import LayoutError, parse_layout, variants
+from toolkit.reproduce.run import _differences
+
+REPO = Path(__file__).resolve().parents[1]
+GPU_RECIPES = [
+    "gpt2_124m_1xh200",
+    "gpt3_175b_1536xa100",
+    "llama3_1b_zero3_8xh100",
+    "llama3_405b_16384xh100",
+    "llama3_70b_64xh100",
+    "llama3_8b_8xh100",
+]
+
+
+def reproduce(tmp_path: Path, *args: str, timeout: int = 900) -> subprocess.CompletedProcess:
+    command = [sys.executable, "-m", "toolkit.cli", "reproduce", *args]
+    if not any(a.startswith("hydra.run.dir=") for a in args) and "-m" not in args:
+        command.append(f"hydra.run.dir={tmp_path / 'run'}")
+    return subprocess.run(command, capture_output=True, text=True, timeout=timeout, cwd=tmp_path)
+
+
+# ------------------------------------------------------------------ comparisons (no training)
+CURVE = {1: 10.0, 2: 9.5, 3: 9.0, 4: 8.8}
+HERE = "cpu: test machine, 2 cores"
+
+
+def baseline(**changes) -> Baseline:
+    fields = dict(
+        recipe="r",
+        loss=dict(CURVE),
+        loss_tolerance=1e-4,
+        hardware={HERE: Measured(tokens_per_s=1000.0, tokens_per_s_tolerance=0.35, memory_gib=2.0)},
+    )
+    return Baseline(**(fields | changes))
+
+
+def test_the_golden_curve_passes_within_its_tolerance_and_fails_beyond_it():
+    figures = {"tokens_per_s": 900.0, "memory_gib": 2.02}
+    same = compare(baseline(), {s: v + 5e-5 for s, v in CURVE.items()}, HERE, figures, 1e-4)
+    assert same.ok and same.max_deviation == pytest.approx(5e-5) and same.correlation == pytest.approx(1.0)
+    moved = compare(baseline(), CURVE | {3: 9.001}, HERE, figures, 1e-4)
+    assert not moved.ok and "FAIL (> 0.0001)" in moved.table().splitlines()[3]  # the row of step 3
+    assert "max deviation 1.00e-03 at step 3" in moved.verdict() and moved.verdict().startswith("reproduce r: FAIL")
+
+
+def test_throughput_fails_only_when_slower_memory_either_way():
+    curve = dict(CURVE)
+    assert compare(baseline(), curve, HERE, {"tokens_per_s": 3000.0, "memory_gib": 2.0}, 1e-4).ok  # faster: fine
+    slow = compare(baseline(), curve, HERE, {"tokens_per_s": 600.0, "memory_gib": 2.0}, 1e-4)
+    assert not slow.ok and "throughput: expected 1,000 tokens/s, measured 600 tokens/s (-40.0%)" in slow.table()
+    assert not compare(baseline(), curve, HERE, {"tokens_per_s": 1000.0, "memory_gib": 1.8}, 1e-4).ok  # -10%
+
+
+def test_elsewhere_only_the_loss_is_compared_and_a_short_run_only_its_steps():
+    result = compare(baseline(), {1: 10.0, 2: 9.5}, "cpu: another machine, 64 cores", {"tokens_per_s": 1.0}, 1e-4)
+    assert result.ok and not result.figures and result.missing_steps == [3, 4]
+    assert any("not recorded on cpu: another machine" in n for n in result.notes)
+    assert any("steps 3..4 not compared" in n for n in result.notes)
+
+
+def test_correlation_needs_three_points_and_a_curve_that_moves():
+    assert correlation([1.0, 2.0], [1.0, 2.0]) is None and correlation([1.0] * 3, [1.0, 2.0, 3.0]) is None
+    assert correlation([1.0, 2.0, 3.0], [3.0, 2.0, 1.0]) == pytest.approx(-1.0)
+
+
+def test_recording_over_a_different_baseline_names_what_differs():
+    old = baseline()
+    assert not _differences(old, baseline(), HERE)
+    moved = _differences(old, baseline(loss=CURVE | {2: 9.6}), HERE)
+    assert moved == ["the loss at step 2 (9.500000 -> 9.600000)"]
+    slower = baseline(hardware={HERE: Measured(400.0, 0.35, 2.0)})
+    assert _differences(old, slower, HERE) == [f"throughput on {HERE} (1,000 -> 400 tokens/s)"]
+    assert Baseline.from_yaml(old.to_yaml(), "x").same_expectations(old)  # the file round-trips
+
+
+def test_layout_names_parse_and_bad_ones_name_the_syntax():
+    assert parse_layout("tp2_pp2_vpp2") == {"tp": 2, "pp": 2, "vpp": 2}
+    assert [v.world_size for v in variants("pp4_vpp2,dp4", "megatron")] == [4, 4]
+    assert [v.backend for v in variants("dp2", "deepspeed,megatron")] == ["megatron", "deepspeed"]
+    for bad, said in (("tp2_xx4", "'xx4' is not a size"), ("tp2_tp4", "gives tp twice"), ("dp0", "not a size")):
+        with pytest.raises(LayoutError, match=said):
+            parse_layout(bad)
+    with pytest.raises(LayoutError, match="at least two runs"):
+        variants("dp4", "megatron")
+
+
+# ------------------------------------------------------------------ the command (no training)
+def test_every_gpu_recipe_prints_its_published_figure_beside_the_prediction(tmp_path):
+    """One Hydra multirun over the six GPU recipes on this GPU-less machine: none runs."""
+    done = reproduce(tmp_path, "-m", f"recipe={','.join(GPU_RECIPES)}", f"hydra.sweep.dir={tmp_path / 'gpu'}")
+    assert done.returncode == 0, done.stderr[-3000:]
+    blocks = done.stdout.split("reproduce ")[1:]
+    blocks = [b for b in blocks if ": not run:" in b.splitlines()[0]]
+    assert [b.split(":")[0] for b in blocks] == GPU_RECIPES, done.stdout[-3000:]
+    for name, block in zip(GPU_RECIPES, blocks):
+        source = yaml.safe_load((REPO / "toolkit/conf/baselines" / f"{name}.yaml").read_text())["published"]["source"]
+        assert f"published: {source}" in block and "this machine has no GPU" in block
+        assert "prediction (parakit's planner, not a measurement)" in block
+        if name != "llama3_1b_zero3_8xh100":  # no published figure exists for it (the file says what was searched)
+            assert re.search(r"predicted [\d,.e+]+ vs published [\d,.e+]+ \([+-]\d+%\)", block), block
+
+
+def test_without_a_recipe_or_a_baseline_it_says_what_to_do(tmp_path):
+    nothing = reproduce(tmp_path)
+    assert nothing.returncode == 2 and "parakit reproduce recipe=NAME" in nothing.stderr
+    mine = tmp_path / "conf" / "recipe"
+    mine.mkdir(parents=True)
+    (mine / "mine.yaml").write_text((REPO / "toolkit/conf/recipe/tiny_cpu_zero3.yaml").read_text())
+    missing = reproduce(tmp_path, "--config-dir", str(tmp_path / "conf"), "recipe=mine")
+    assert missing.returncode == 2 and "has no baseline" in missing.stderr and "--record" in missing.stderr
+    typo = reproduce(tmp_path, "recipe=tiny_cpu_demo", "--layouts", "tp2_pq2")
+    assert typo.returncode == 2 and "'pq2' is not a size" in typo.stderr
+
+
+# ------------------------------------------------------------------ runs
+@pytest.mark.slow
+def test_the_zero3_recipe_reproduces_its_golden_curve(tmp_path):
+    done = reproduce(tmp_path, "recipe=tiny_cpu_zero3", "--steps", "4")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "reproduce tiny_cpu_zero3: PASS" in done.stdout
+    report = json.loads((tmp_path / "run" / "reproduce.json").read_text())
+    assert report["pass"] and [r["step"] for r in report["loss"]["steps"]] == [1, 2, 3, 4]
+    assert report["loss"]["not_reached"][0] == 5 and (tmp_path / "run" / "reproduce.png").stat().st_size > 10_000
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "altered, first_step",
+    [("optim.lr=3.3e-4", 2), ("train.seed=4321", 1), ("model.num_layers=7", 1)],  # where the curve leaves the band
+)
+def test_an_altered_run_fails_with_the_step_and_the_deviation(tmp_path, altered, first_step):
+    done = reproduce(tmp_path, "recipe=tiny_cpu_zero3", "--steps", "3", altered)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines() if re.match(r"^\s+\d+\s+\d+\.\d+\s+\d+\.\d+\s", line)]
+    failed = [int(r[0]) for r in rows if "FAIL" in r]
+    assert failed and failed[0] <= first_step + 1, rows  # named in the table, from its step on
+    assert re.search(r"reproduce tiny_cpu_zero3: FAIL: loss at 3 step\(s\): max deviation \S+ at step \d", done.stdout)
+    assert f"this run's overrides {altered} differ from the baseline's" in done.stdout
+
+
+@pytest.mark.slow
+def test_layouts_and_backends_reproduce_each_other(tmp_path):
+    """The demo recipe as tp2 pp2 vpp2 and dp4 on megatron, dp4 on DeepSpeed (its layout with tp is
+    refused and listed), all from megatron's initial weights."""
+    args = ["recipe=tiny_cpu_demo", "--layouts", "tp2_pp2_vpp2,dp4", "--backends", "megatron,deepspeed"]
+    done = reproduce(tmp_path, *args, "--steps", "3")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "deepspeed-tp2_pp2_vpp2 (4 ranks): invalid: not run" in done.stdout and "[deepspeed_layout]" in done.stdout
+    report = json.loads((tmp_path / "run" / "reproduce_layouts.json").read_text())
+    assert report["pass"] and report["reference"] == "megatron-tp2_pp2_vpp2"
+    assert {r["run"]: r["pass"] for r in report["runs"]} == {"megatron-dp4": True, "deepspeed-dp4": True}
+    assert all(r["max_deviation"] <= r["tolerance"] for r in report["runs"])
+
+
+@pytest.mark.slow
+def test_record_writes_a_baseline_that_then_reproduces(tmp_path):
+    """A user's recipe in a config directory: --record writes CONFIG_DIR/baselines/NAME.yaml with
+    its provenance; the recipe then reproduces it; another learning rate is refused as an overwrite."""
+    conf = tmp_path / "conf"
+    (conf / "recipe").mkdir(parents=True)
+    recipe = yaml.safe_load((REPO / "toolkit/conf/recipe/tiny_cpu_zero3.yaml").read_text())
+    recipe["train"] = {"steps": 3}
+    (conf / "recipe" / "short.yaml").write_text("# @package _global_\n" + yaml.safe_dump(recipe))
+    where = ["--config-dir", str(conf), "recipe=short"]
+    recorded = reproduce(tmp_path, *where, "--record", f"hydra.run.dir={tmp_path / 'a'}")
+    assert recorded.returncode == 0, recorded.stdout[-3000:] + recorded.stderr[-3000:]
+    stored = yaml.safe_load((conf / "baselines" / "short.yaml").read_text())
+    assert sorted(stored["loss"]) == [1, 2, 3] and stored["loss_tolerance"] == 1e-4
+    assert {"command", "code_version", "date", "machine", "libraries"} <= set(stored["provenance"])
+    assert stored["provenance"]["libraries"]["deepspeed"] and len(stored["hardware"]) == 1
+    again = reproduce(tmp_path, *where, "optim.lr=3.3e-4", "--record", f"hydra.run.dir={tmp_path / 'b'}")
+    assert again.returncode == 2 and "holds a different baseline" in again.stderr and "--force" in again.stderr
+    assert yaml.safe_load((conf / "baselines" / "short.yaml").read_text()) == stored  # untouched
