@@ -79,10 +79,11 @@ def variants(layouts: str, backends: str) -> list[Variant]:
     unknown = [b for b in chosen if b not in ("megatron", "deepspeed")]
     if unknown:
         raise LayoutError(f"--backends: {', '.join(unknown)}: the backends are megatron and deepspeed")
+    sizes = {n: parse_layout(n) for n in names}  # a bad name first: it is the likelier mistake
     if len(names) * len(chosen) < 2:
         raise LayoutError("--layouts/--backends: give at least two runs to compare (two layouts, or two backends)")
     chosen.sort(key=lambda b: b != "megatron")  # megatron first: the DeepSpeed runs start from its weights
-    return [Variant(b, n, parse_layout(n)) for b in chosen for n in names]
+    return [Variant(b, n, sizes[n]) for b in chosen for n in names]
 
 
 def variant_overrides(v: Variant, vocab_size: int) -> list[str]:
