@@ -143,6 +143,11 @@ def test_the_zero3_recipe_reproduces_its_golden_curve(tmp_path):
     report = json.loads((tmp_path / "run" / "reproduce.json").read_text())
     assert report["pass"] and [r["step"] for r in report["loss"]["steps"]] == [1, 2, 3, 4]
     assert report["loss"]["not_reached"][0] == 5 and (tmp_path / "run" / "reproduce.png").stat().st_size > 10_000
+    from toolkit.cli import main  # `parakit report` shows the comparison
+
+    assert main(["report", str(tmp_path / "run"), "--output", str(tmp_path / "report")]) == 0
+    assert (tmp_path / "report" / "reproduce.png").is_file()
+    assert "PASS against the baseline of tiny_cpu_zero3" in (tmp_path / "report" / "report.html").read_text()
 
 
 @pytest.mark.slow

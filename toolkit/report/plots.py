@@ -336,9 +336,40 @@ PLOTTERS = (
 )
 
 
+def _figure_text(f: dict) -> str:
+    measured = "none" if f["measured"] is None else f"{f['measured']:,.4g}"
+    return f"{f['name']} {measured} {f['unit']} against {f['expected']:,.4g} ({'ok' if f['pass'] else 'FAIL'})"
+
+
+def reproduction(data: ReportData, out_dir: Path) -> Plot | None:
+    """A run `parakit reproduce` compared with its baseline: its curve over the golden band (the
+    PNG reproduce wrote), the verdict under it."""
+    import json
+    import shutil
+
+    for point in data.points:
+        run_dir = Path(point.row.get("run_dir") or data.directory)
+        result, picture = run_dir / "reproduce.json", run_dir / "reproduce.png"
+        if result.is_file() and picture.is_file():
+            found = json.loads(result.read_text())
+            loss = found["loss"]
+            figures = "; ".join(_figure_text(f) for f in found["figures"])
+            note = (
+                f"{'PASS' if found['pass'] else 'FAIL'} against the baseline of {found['recipe']}: the loss at "
+                f"{len(loss['steps'])} step(s), max deviation {loss['max_deviation']:.2e} "
+                f"(tolerance {loss['tolerance']:g})"
+                + (f"; {figures}" if figures else "")
+                + "".join(f"; {n}" for n in found["notes"])
+            )
+            target = out_dir / "reproduce.png"
+            shutil.copyfile(picture, target)
+            return Plot("reproduce", f"Reproduction of {found['recipe']} against its baseline", target, note)
+    return None
+
+
 def draw(data: ReportData, out_dir: Path) -> tuple[list[Plot], list[str]]:
     """Every plot the data has something for, written as OUT_DIR/NAME.png; and for each plot left
-    out, what it needs."""
+    out, what it needs. A reproduced run's comparison with its baseline comes last, where there is one."""
     plots, missing = [], []
     for plotter, needs in PLOTTERS:
         plot = plotter(data, out_dir)
@@ -346,4 +377,5 @@ def draw(data: ReportData, out_dir: Path) -> tuple[list[Plot], list[str]]:
             missing.append(needs)
         else:
             plots.append(plot)
-    return plots, missing
+    compared = reproduction(data, out_dir)
+    return plots + ([compared] if compared else []), missing
