@@ -22,17 +22,19 @@ import yaml
 BASELINES = "baselines"  # the folder beside recipe/ in a config directory
 
 # Loss tolerances per step (max |measured - golden|). fp32 on CPU repeats bit for bit on one
-# machine; another CPU's kernels add partial sums in another order, ~1e-7 relative per step that
-# training amplifies to ~1e-5 over 40 steps. 1e-4 keeps that out, and catches what the tests break
-# on purpose: a 10% higher learning rate (4e-3 by step 8), another seed (1e-1 at step 1), a layer
-# dropped (1e-2 at step 1). bf16 runs on GPUs differ from run to run by nondeterministic
+# machine (measured: deviation 0 at all 12 demo steps, in the test suite under load); another
+# CPU's kernels add partial sums in another order (not measured here: one float32 ulp, 1e-6 at a
+# loss of 10, per step, that training amplifies). 1e-4 leaves room for that and still catches what
+# tests/test_reproduce.py breaks on purpose within three steps (a 10% higher learning rate,
+# another seed, a layer dropped). bf16 runs on GPUs differ from run to run by nondeterministic
 # reductions (~1e-2 after a few hundred steps in Megatron-LM's functional tests): a band of 0.05.
 LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 0.05, "fp16": 0.05, "fp8": 0.08}
 MIN_CORRELATION = 0.99  # of the measured and golden curves (Pearson), as golden-value checks use
 # Throughput on a shared CPU varies by tens of percent with the load; a GPU node by a few.
 THROUGHPUT_TOLERANCE = {"cpu": 0.35, "cuda": 0.05}
-# Tensor bytes repeat exactly for the same configuration; 5% leaves room for a library's buffers.
-MEMORY_TOLERANCE = 0.05
+# Tensor bytes repeat closely for the same configuration, but when Python's garbage collector frees
+# cycles moves the peak: the demo measured +8.1% on a loaded machine with checkpoint saves.
+MEMORY_TOLERANCE = 0.15
 
 
 @dataclass
