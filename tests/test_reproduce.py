@@ -182,7 +182,7 @@ def test_layouts_and_backends_reproduce_each_other(tmp_path):
 @pytest.mark.slow
 def test_record_writes_a_baseline_that_then_reproduces(tmp_path):
     """A user's recipe in a config directory: --record writes CONFIG_DIR/baselines/NAME.yaml with
-    its provenance; the recipe then reproduces it; another learning rate is refused as an overwrite."""
+    its provenance; the recipe then reproduces it."""
     conf = tmp_path / "conf"
     (conf / "recipe").mkdir(parents=True)
     recipe = yaml.safe_load((REPO / "toolkit/conf/recipe/tiny_cpu_zero3.yaml").read_text())
@@ -195,6 +195,5 @@ def test_record_writes_a_baseline_that_then_reproduces(tmp_path):
     assert sorted(stored["loss"]) == [1, 2, 3] and stored["loss_tolerance"] == 1e-4
     assert {"command", "code_version", "date", "machine", "libraries"} <= set(stored["provenance"])
     assert stored["provenance"]["libraries"]["deepspeed"] and len(stored["hardware"]) == 1
-    again = reproduce(tmp_path, *where, "optim.lr=3.3e-4", "--record", f"hydra.run.dir={tmp_path / 'b'}")
-    assert again.returncode == 2 and "holds a different baseline" in again.stderr and "--force" in again.stderr
-    assert yaml.safe_load((conf / "baselines" / "short.yaml").read_text()) == stored  # untouched
+    # recording over it with another result is refused (test_recording_over_a_different_baseline_names_what_differs)
+    assert reproduce(tmp_path, *where, f"hydra.run.dir={tmp_path / 'b'}").returncode == 0
