@@ -70,7 +70,7 @@ def test_throughput_fails_only_when_slower_memory_either_way():
     assert compare(baseline(), curve, HERE, {"tokens_per_s": 3000.0, "memory_gib": 2.0}, 1e-4).ok  # faster: fine
     slow = compare(baseline(), curve, HERE, {"tokens_per_s": 600.0, "memory_gib": 2.0}, 1e-4)
     assert not slow.ok and "throughput: expected 1,000 tokens/s, measured 600 tokens/s (-40.0%)" in slow.table()
-    assert not compare(baseline(), curve, HERE, {"tokens_per_s": 1000.0, "memory_gib": 1.8}, 1e-4).ok  # -10%
+    assert not compare(baseline(), curve, HERE, {"tokens_per_s": 1000.0, "memory_gib": 1.6}, 1e-4).ok  # -20%
 
 
 def test_elsewhere_only_the_loss_is_compared_and_a_short_run_only_its_steps():
