@@ -134,6 +134,11 @@ def read_metrics(run_dir: Path) -> list[dict]:
     return records
 
 
+def loss_curve(run_dir: Path) -> dict[int, float]:
+    """step -> training loss, from the run's metrics.jsonl."""
+    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+
+
 def read_result(run_dir: Path) -> dict:
     """The run's result.json (a finished run's summary); {} when there is none or it is torn."""
     path = run_dir / "result.json"

@@ -89,13 +89,6 @@ class Baseline:
         except (TypeError, ValueError) as e:
             raise BaselineError(f"{where}: {e}") from None
 
-    def same_expectations(self, other: Baseline) -> bool:
-        """Whether `other` expects what this one does (provenance aside): re-recording an identical
-        result is no overwrite."""
-        mine, theirs = asdict(self), asdict(other)
-        mine.pop("provenance"), theirs.pop("provenance")
-        return mine == theirs
-
 
 class BaselineError(ValueError):
     """A baseline file that does not read; the message names the file."""

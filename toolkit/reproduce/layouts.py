@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.config.schema import Config
+from toolkit.report.sweep import loss_curve
 
 SIZE = re.compile(r"^(tp|pp|vpp|cp|dp)(\d+)$")
 # fp32 on CPU: layouts sum partial products in another order (tp splits the GEMMs, dp the batch):
@@ -116,12 +117,6 @@ def _train(command: list[str], run_dir: Path) -> int:
         return subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode
 
 
-def _losses(run_dir: Path) -> dict[int, float]:
-    from toolkit.report.sweep import read_metrics
-
-    return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
-
-
 def reproduce_layouts(cfg: Config, opts, recipe: str, overrides: list[str], out_dir: Path) -> int:
     try:
         runs = variants(opts.layouts, opts.backends)
@@ -165,7 +160,7 @@ def reproduce_layouts(cfg: Config, opts, recipe: str, overrides: list[str], out_
         if v.backend == "megatron" and init_from is None:
             init_from = v
         trained.append(v)
-        curves[v.name] = _losses(run_dir)
+        curves[v.name] = loss_curve(run_dir)
     if len(trained) < 2:
         print(f"parakit reproduce: {len(trained)} of the runs is valid: nothing to compare", file=sys.stderr)
         return 2

@@ -73,9 +73,9 @@ def reproduce(
     if code != 0:
         print(f"reproduce {recipe}: FAIL: the run exited with {code}; nothing compared (its log: {run_dir})")
         return 1
-    from toolkit.report.sweep import measured, read_metrics
+    from toolkit.report.sweep import loss_curve, measured
 
-    losses = {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
+    losses = loss_curve(run_dir)
     figures = measured(run_dir, WARMUP_STEPS)
     hardware = bl.hardware_class(str(cfg.cluster.device))
     if opts.record:
