@@ -40,9 +40,9 @@ COMMON = [
 ]  # a rank that hangs ends the job instead of the test
 TP2_PP2_VPP2 = ["cluster.gpus_per_node=4", "parallel.tp=2", "parallel.pp=2", "parallel.vpp=2"]
 PP2 = ["cluster.gpus_per_node=2", "parallel.pp=2"]
-# Ten steps with dropout: a resume that restores the weights but not the random state, the data
+# Six steps with dropout: a resume that restores the weights but not the random state, the data
 # position or the schedule shows in the steps after it.
-LONG_WITH_DROPOUT = [*TP2_PP2_VPP2, "train.steps=10", "model.hidden_dropout=0.1", "model.attention_dropout=0.1"]
+LONG_WITH_DROPOUT = [*TP2_PP2_VPP2, "model.hidden_dropout=0.1", "model.attention_dropout=0.1"]
 EXACT = Tolerance(loss=0.0, grad_norm=0.0, parameters=0.0)  # a resume at the same layout is bit for bit
 ANOTHER_LAYOUT = Tolerance(loss=4e-6, grad_norm=1e-4, parameters=1e-6)  # as the layout parity tests
 
@@ -70,7 +70,7 @@ def uninterrupted(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def killed_at_step_3(tmp_path_factory):
-    """tp2 pp2 vpp2 with dropout: rank 3 dies at the start of step 3 of 10 (the last checkpoint: step 2)."""
+    """tp2 pp2 vpp2 with dropout: rank 3 dies at the start of step 3 of 6 (the last checkpoint: step 2)."""
     stopped = run(
         tmp_path_factory.mktemp("killed"),
         "run",
@@ -85,7 +85,7 @@ def killed_at_step_3(tmp_path_factory):
 def test_stopped_run_resumes_exactly_with_its_random_state(tmp_path, uninterrupted, killed_at_step_3):
     again = resumed(tmp_path, killed_at_step_3, *LONG_WITH_DROPOUT)
     assert again.result["resumed_from"].endswith("step_00000002") and again.result["resumed_step"] == 2
-    assert_same_training(uninterrupted["long"], again, EXACT)  # steps 1-2 from before the kill, 3-10 resumed
+    assert_same_training(uninterrupted["long"], again, EXACT)  # steps 1-2 from before the kill, 3-6 resumed
 
 
 @pytest.mark.mutation

@@ -1,8 +1,8 @@
 """`parakit reproduce`: a recipe against its baseline (the golden loss curve, throughput and memory),
 a baseline recorded, layouts and backends against each other, GPU recipes' published figures.
 
-The CPU recipes' regressions: the ZeRO-3 recipe here (and altered on purpose: another learning rate,
-another seed, a layer dropped, each caught with its step and deviation), the README demo in
+The CPU recipes' regressions: the ZeRO-3 recipe here (and a recorded copy of it altered on purpose:
+another learning rate, another seed, a layer dropped, each caught with its step and deviation), the README demo in
 tests/test_train_megatron.py (its run feeds the export tests too). Runs stop after a few steps
 (--steps: the learning-rate schedule still spans the recipe's steps, so those steps are the
 golden curve's)."""
@@ -150,50 +150,58 @@ def test_the_zero3_recipe_reproduces_its_golden_curve(tmp_path):
     assert "PASS against the baseline of tiny_cpu_zero3" in (tmp_path / "report" / "report.html").read_text()
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize(
-    "altered, first_step",
-    [("optim.lr=3.3e-4", 2), ("train.seed=4321", 1), ("model.num_layers=7", 1)],  # where the curve leaves the band
-)
-def test_an_altered_run_fails_with_the_step_and_the_deviation(tmp_path, altered, first_step):
-    done = reproduce(tmp_path, "recipe=tiny_cpu_zero3", "--steps", "3", altered)
-    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
-    rows = [line.split() for line in done.stdout.splitlines() if re.match(r"^\s+\d+\s+\d+\.\d+\s+\d+\.\d+\s", line)]
-    failed = [int(r[0]) for r in rows if "FAIL" in r]
-    assert failed and failed[0] <= first_step + 1, rows  # named in the table, from its step on
-    assert re.search(r"reproduce tiny_cpu_zero3: FAIL: loss at 3 step\(s\): max deviation \S+ at step \d", done.stdout)
-    assert f"this run's overrides {altered} differ from the baseline's" in done.stdout
-
-
-@pytest.mark.slow
-def test_layouts_and_backends_reproduce_each_other(tmp_path):
-    """The demo recipe as tp2 pp2 vpp2 and dp4 on megatron, dp4 on DeepSpeed (its layout with tp is
-    refused and listed), all from megatron's initial weights."""
-    args = ["recipe=tiny_cpu_demo", "--layouts", "tp2_pp2_vpp2,dp4", "--backends", "megatron,deepspeed"]
-    done = reproduce(tmp_path, *args, "--steps", "3")
-    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
-    assert "deepspeed-tp2_pp2_vpp2 (4 ranks): invalid: not run" in done.stdout and "[deepspeed_layout]" in done.stdout
-    report = json.loads((tmp_path / "run" / "reproduce_layouts.json").read_text())
-    assert report["pass"] and report["reference"] == "megatron-tp2_pp2_vpp2"
-    assert {r["run"]: r["pass"] for r in report["runs"]} == {"megatron-dp4": True, "deepspeed-dp4": True}
-    assert all(r["max_deviation"] <= r["tolerance"] for r in report["runs"])
-
-
-@pytest.mark.slow
-def test_record_writes_a_baseline_that_then_reproduces(tmp_path):
-    """A user's recipe in a config directory: --record writes CONFIG_DIR/baselines/NAME.yaml with
-    its provenance; the recipe then reproduces it."""
-    conf = tmp_path / "conf"
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """A user's recipe (the ZeRO-3 recipe on one rank, 3 steps) in a config directory, its baseline recorded
+    with --record into CONFIG_DIR/baselines/short.yaml. The altered runs below reproduce against
+    it; the shipped ZeRO-3 baseline, recorded the same way, reproduces above."""
+    tmp = tmp_path_factory.mktemp("record")
+    conf = tmp / "conf"
     (conf / "recipe").mkdir(parents=True)
     recipe = yaml.safe_load((REPO / "toolkit/conf/recipe/tiny_cpu_zero3.yaml").read_text())
-    recipe["train"] = {"steps": 3}
+    recipe["train"], recipe["cluster"] = {"steps": 3}, {"gpus_per_node": 1}  # one rank: no torchrun to start
     (conf / "recipe" / "short.yaml").write_text("# @package _global_\n" + yaml.safe_dump(recipe))
-    where = ["--config-dir", str(conf), "recipe=short"]
-    recorded = reproduce(tmp_path, *where, "--record", f"hydra.run.dir={tmp_path / 'a'}")
-    assert recorded.returncode == 0, recorded.stdout[-3000:] + recorded.stderr[-3000:]
+    done = reproduce(tmp, "--config-dir", str(conf), "recipe=short", "--record")
+    return conf, done
+
+
+@pytest.mark.slow
+def test_record_writes_a_baseline_with_its_provenance(recorded):
+    conf, done = recorded
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     stored = yaml.safe_load((conf / "baselines" / "short.yaml").read_text())
     assert sorted(stored["loss"]) == [1, 2, 3] and stored["loss_tolerance"] == 1e-4
     assert {"command", "code_version", "date", "machine", "libraries"} <= set(stored["provenance"])
     assert stored["provenance"]["libraries"]["deepspeed"] and len(stored["hardware"]) == 1
     # recording over it with another result is refused (test_recording_over_a_different_baseline_names_what_differs)
-    assert reproduce(tmp_path, *where, f"hydra.run.dir={tmp_path / 'b'}").returncode == 0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "altered, first_step",
+    [("optim.lr=3.3e-4", 2), ("train.seed=4321", 1), ("model.num_layers=7", 1)],  # where the curve leaves the band
+)
+def test_an_altered_run_fails_with_the_step_and_the_deviation(tmp_path, recorded, altered, first_step):
+    conf, _ = recorded
+    done = reproduce(tmp_path, "--config-dir", str(conf), "recipe=short", altered)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    rows = [line.split() for line in done.stdout.splitlines() if re.match(r"^\s+\d+\s+\d+\.\d+\s+\d+\.\d+\s", line)]
+    failed = [int(r[0]) for r in rows if "FAIL" in r]
+    assert failed and failed[0] <= first_step + 1, rows  # named in the table, from its step on
+    assert re.search(r"reproduce short: FAIL: loss at 3 step\(s\): max deviation \S+ at step \d", done.stdout)
+    assert f"this run's overrides {altered} differ from the baseline's" in done.stdout
+
+
+@pytest.mark.slow
+def test_layouts_and_backends_reproduce_each_other(tmp_path):
+    """The demo recipe as tp2 and dp2 on megatron, dp2 on DeepSpeed (its layout with tp is refused
+    and listed), all from megatron's initial weights. (The issue's tp2_pp2_vpp2,pp4_vpp2,dp4 on
+    both backends over the recipe's 40 steps: README, "Reproduce baselines".)"""
+    args = ["recipe=tiny_cpu_demo", "--layouts", "tp2,dp2", "--backends", "megatron,deepspeed"]
+    done = reproduce(tmp_path, *args, "--steps", "3")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "deepspeed-tp2 (2 ranks): invalid: not run" in done.stdout and "[deepspeed_layout]" in done.stdout
+    report = json.loads((tmp_path / "run" / "reproduce_layouts.json").read_text())
+    assert report["pass"] and report["reference"] == "megatron-tp2"
+    assert {r["run"]: r["pass"] for r in report["runs"]} == {"megatron-dp2": True, "deepspeed-dp2": True}
+    assert all(r["max_deviation"] <= r["tolerance"] for r in report["runs"])

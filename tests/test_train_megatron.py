@@ -115,15 +115,15 @@ def test_bf16_trains_on_the_corpus(tmp_path):
 @pytest.fixture(scope="module")
 def demo(tmp_path_factory):
     """The README demo (tp2 pp2 vpp2, the corpus, GPT-2's 50,257 tokens padded to 50,432 at tp2),
-    reproduced against its baseline for its first 12 steps (`parakit reproduce --steps 12`: the
-    schedule is the recipe's); it saves steps 11 and 12, for the export tests."""
+    reproduced against its baseline for its first 8 steps (`parakit reproduce --steps 8`: the
+    schedule is the recipe's); it saves steps 7 and 8, for the export tests."""
     result = run(
         tmp_path_factory.mktemp("demo"),
         "demo",
         "recipe=tiny_cpu_demo",
         "--steps",
-        "12",
-        "checkpoint.interval_steps=11",
+        "8",
+        "checkpoint.interval_steps=7",
         command="reproduce",
     )
     assert result.returncode in (0, 1), result.stderr[-3000:]  # 1: it trained, and differs from its baseline
@@ -137,13 +137,13 @@ def test_readme_demo_trains_tp2_pp2_vpp2_on_the_corpus(demo):
 
 def test_readme_demo_reproduces_its_golden_curve(demo):
     """CI's regression check of the megatron backend's numerics: a change that moves the demo's
-    loss by more than the baseline's tolerance at any of the 12 steps fails here, naming the step."""
+    loss by more than the baseline's tolerance at any of the 8 steps fails here, naming the step."""
     assert demo.returncode == 0 and "reproduce tiny_cpu_demo: PASS" in demo.stdout, demo.stdout[-4000:]
     report = json.loads((demo.run_dir / "reproduce.json").read_text())
-    assert report["pass"] and len(report["loss"]["steps"]) == 12 and report["loss"]["tolerance"] <= 1e-4
+    assert report["pass"] and len(report["loss"]["steps"]) == 8 and report["loss"]["tolerance"] <= 1e-4
 
 
-# Measured: the loss of step 12 from the exported step-11 weights (with the output layer's padding
+# Measured: the loss of step 8 from the exported step-7 weights (with the output layer's padding
 # rows, which megatron-core's softmax includes) is within 1.2e-7 of the run's, 1.2e-6 in other
 # short runs (fp32: tp2 adds its partial sums in another order, and the two implementations of
 # attention and RMSNorm round differently). SwiGLU's gate and up swapped by the converter moved it
@@ -152,11 +152,11 @@ EXPORT_LOSS_TOLERANCE = 1e-5
 
 
 def test_export_of_the_demo_loads_generates_and_reproduces_its_loss(tmp_path, demo):
-    """The tp2 pp2 vpp2 checkpoint of step 11 in transformers: no tensor missing, the padding rows
-    dropped (vocab_size 50,257), text generated, and the loss of step 12 as the run computed it."""
-    step_11 = demo.run_dir / "checkpoints" / "step_00000011"
-    hf = hf_export.export(demo.run_dir, tmp_path / "hf", "--step", 11)
-    found = hf_export.checked(demo.run_dir, hf, 11, step_11 / "model_optim")
+    """The tp2 pp2 vpp2 checkpoint of step 7 in transformers: no tensor missing, the padding rows
+    dropped (vocab_size 50,257), text generated, and the loss of step 8 as the run computed it."""
+    step_7 = demo.run_dir / "checkpoints" / "step_00000007"
+    hf = hf_export.export(demo.run_dir, tmp_path / "hf", "--step", 7)
+    found = hf_export.checked(demo.run_dir, hf, 7, step_7 / "model_optim")
     assert abs(found["padded_loss"] - found["recorded_loss"]) <= EXPORT_LOSS_TOLERANCE, found
     assert json.loads((hf / "config.json").read_text())["vocab_size"] == 50257
 
