@@ -176,7 +176,7 @@ def test_stalled_rank_is_detected_and_named_within_the_timeout(tmp_path):
         "train.fault.stall_rank=1",
         "train.fault.stall_at_step=3",
         "train.fault.stall_seconds=600",
-        "train.fault.watchdog_timeout_s=15",
+        "train.fault.watchdog_timeout_s=6",
         timeout=300,
     )
     assert result.returncode != 0

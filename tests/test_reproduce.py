@@ -152,14 +152,15 @@ def test_the_zero3_recipe_reproduces_its_golden_curve(tmp_path):
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
-    """A user's recipe (the ZeRO-3 recipe on one rank, 3 steps) in a config directory, its baseline recorded
+    """A user's recipe (the ZeRO-3 recipe on one rank, 3 small steps) in a config directory, its baseline recorded
     with --record into CONFIG_DIR/baselines/short.yaml. The altered runs below reproduce against
     it; the shipped ZeRO-3 baseline, recorded the same way, reproduces above."""
     tmp = tmp_path_factory.mktemp("record")
     conf = tmp / "conf"
     (conf / "recipe").mkdir(parents=True)
     recipe = yaml.safe_load((REPO / "toolkit/conf/recipe/tiny_cpu_zero3.yaml").read_text())
-    recipe["train"], recipe["cluster"] = {"steps": 3}, {"gpus_per_node": 1}  # one rank: no torchrun to start
+    # one rank (no torchrun to start), a batch of 4 (2 micro-batches a step instead of 8)
+    recipe["train"], recipe["cluster"] = {"steps": 3, "global_batch": 4}, {"gpus_per_node": 1}
     (conf / "recipe" / "short.yaml").write_text("# @package _global_\n" + yaml.safe_dump(recipe))
     done = reproduce(tmp, "--config-dir", str(conf), "recipe=short", "--record")
     return conf, done
