@@ -14,6 +14,7 @@ import re
 import shutil
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -68,6 +69,15 @@ def _job(job_id: str, env: dict) -> dict:
     return dict(re.findall(r"(\w+)=(\S+)", out.stdout))
 
 
+def _ended_job(job_id: str, env: dict, wait_s: float = 30) -> dict:
+    """The job once Slurm has it ended: submitit's result (which the sweep waits for) is written
+    before the job's batch script returns, so for a moment the job can still be RUNNING."""
+    deadline = time.monotonic() + wait_s
+    while (job := _job(job_id, env)) and job["JobState"] in ("RUNNING", "COMPLETING") and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return job
+
+
 @pytest.mark.slow
 def test_sweep_points_run_as_slurm_jobs_and_a_rerun_submits_nothing(slurm_env, tmp_path):
     directory = tmp_path / "sweep"
@@ -88,7 +98,7 @@ def test_sweep_points_run_as_slurm_jobs_and_a_rerun_submits_nothing(slurm_env, t
     for job_id in job_ids:
         logs = list((directory / ".submitit").glob(f"{job_id}*/*_0_log.out"))
         assert logs and "sweep point" in logs[0].read_text(), job_id
-        job = _job(job_id, slurm_env)
+        job = _ended_job(job_id, slurm_env)
         if job:  # slurmctld forgets finished jobs after MinJobAge (300 s)
             assert job["JobState"] == "COMPLETED" and job["Partition"] == "debug", job
             assert "gpu" not in job.get("TRES", ""), job
