@@ -106,6 +106,26 @@ def test_layout_names_parse_and_bad_ones_name_the_syntax():
         variants("dp4", "megatron")
 
 
+def test_runs_that_agree_and_then_separate_are_reported_as_amplified_rounding(tmp_path, capsys):
+    """The demo's layouts over its 40 steps at lr 3e-3 (toolkit/reproduce/layouts.py): equal through
+    step 6, then apart x3-10 per step. Made-up curves of that shape, and one wrong from the start."""
+    from toolkit.reproduce.layouts import Variant, _compare
+
+    ref = {s: 10.0 - 0.1 * s for s in range(1, 11)}
+    late = {s: v + (1e-7 if s <= 6 else 2e-5 * 3 ** (s - 7)) for s, v in ref.items()}
+    early = {s: v + 1e-3 for s, v in ref.items()}
+    runs = [Variant("megatron", n, {"dp": 1}) for n in ("dp1", "late", "early")]
+    curves = {"megatron-dp1": ref, "megatron-late": late, "megatron-early": early}
+    assert _compare("r", runs, curves, tmp_path) == 1
+    out = capsys.readouterr().out
+    assert "megatron-late: max deviation 5.40e-04 at step 10" in out
+    assert "within it through step 6, then growing x3.0 per step to step 10" in out
+    assert "fp32 rounding amplified" in out and "--steps N" in out
+    assert "megatron-early: max deviation 1.00e-03 at step" in out and "within it through" not in out.split("early")[-1]
+    report = json.loads((tmp_path / "reproduce_layouts.json").read_text())
+    assert [r["agrees_through_step"] for r in report["runs"]] == [6, 0]
+
+
 # ------------------------------------------------------------------ the command (no training)
 def test_every_gpu_recipe_prints_its_published_figure_beside_the_prediction(tmp_path):
     """One Hydra multirun over the six GPU recipes on this GPU-less machine: none runs."""
