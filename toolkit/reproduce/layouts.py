@@ -40,9 +40,9 @@ CROSS_BACKEND_TOLERANCE_PER_10_STEPS = 1e-5
 # tp2_pp2_vpp2, pp4_vpp2 and dp4 on megatron and dp4 on DeepSpeed: equal within 3.8e-6 through
 # step 6, then megatron pp4_vpp2 and DeepSpeed dp4 move away (7e-5 at step 7, 1e-2 and 8e-4 at
 # step 11; 2.8e-2 and 1.6e-3 at most; megatron dp4 5e-5); at lr 3e-4 all four agree within
-# 3.8e-6 over 20 steps. A layout
-# defect (doubled gradients, a layer never updated: tests/test_train_*.py) shows from the first
-# steps, so a run that agrees this long before separating is reported as rounding amplified.
+# 3.8e-6 over 20 steps. A layout defect (doubled gradients, a layer never updated:
+# tests/test_train_*.py) shows from the first steps, so a run that agrees this long before
+# separating is reported as rounding amplified.
 LATE_DIVERGENCE_STEPS = 3
 
 
