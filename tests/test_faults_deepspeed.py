@@ -22,7 +22,7 @@ COMMON = [
     "backend=deepspeed",
     "data=synthetic",
     "precision=fp32",
-    "train.steps=6",
+    "train.steps=4",
     "train.global_batch=8",
     "train.micro_batch=2",
     "optim.lr=1e-3",
@@ -87,7 +87,7 @@ def test_nan_loss_skips_the_update(tmp_path):
     for name, layout in {"zero1_dp2": ["zero=1"], "pipeline": ["parallel.pp=2", "zero=1"]}.items():
         result = run(tmp_path, name, *layout, "train.fault.nan_at_step=3", "train.fault.nan_action=skip")
         steps = records(result)
-        assert [r["skipped"] for r in steps] == [False, False, True, False, False, False], name
+        assert [r["skipped"] for r in steps] == [False, False, True, False], name
         assert steps[2]["lr"] == steps[1]["lr"] and steps[3]["lr"] != steps[2]["lr"]  # the schedule waited a step
         curves[name] = losses(result)
     assert curves["pipeline"][3:] == pytest.approx(curves["zero1_dp2"][3:], abs=1e-4)

@@ -245,7 +245,8 @@ def assert_stage_times(run: Trained, pp: int) -> None:
     """Every rank recorded its compute seconds per step (toolkit.train.probe) and result.json the
     time per pipeline stage: each positive, and no rank's median computing longer than a step takes
     (counting evaluation or a pass twice would double it; per step a rank's own step window is
-    not rank 0's, measured up to 1.3x apart)."""
+    not rank 0's, measured up to 1.3x apart). Mutation, by hand: every pass counted twice put the
+    median at 1.7x the step in pp2 and 1.30x in tp2 pp2 vpp2 (whose ranks wait longest), both caught."""
     ranks, stages = run.result["ranks"], run.result["stage_times_s"]
     assert len(stages) == pp and all(t > 0 for t in stages), stages
     assert sorted(r["stage"] for r in ranks) == sorted(s for s in range(pp) for _ in range(len(ranks) // pp))
