@@ -195,3 +195,17 @@ def test_summary_says_which_data(tmp_path, overrides, line):
     result = parakit("validate", *overrides, cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     assert line in result.stdout.splitlines()
+
+
+def test_a_multi_node_launch_script_asks_for_gpus_only_on_gpu_clusters(compose):
+    """Slurm rejects a GPU request on nodes that declare none (a CPU cluster): there the one task
+    per node asks for a CPU per rank."""
+    from toolkit.emit.launch import launch_script
+    from toolkit.plan.layout import resolve
+
+    cpu = compose("model=tiny", "cluster=cpu", "cluster.nodes=2", "cluster.gpus_per_node=2", "train.global_batch=8")
+    text = launch_script(cpu, resolve(cpu))
+    assert "#SBATCH --cpus-per-task=2" in text and "--gpus-per-node" not in text
+    gpu = compose("model=tiny", "cluster=h100_cluster", "cluster.nodes=2", "train.global_batch=64")
+    text = launch_script(gpu, resolve(gpu))
+    assert f"#SBATCH --gpus-per-node={gpu.cluster.gpus_per_node}" in text and "--cpus-per-task" not in text

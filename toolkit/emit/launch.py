@@ -59,7 +59,11 @@ def launch_script(cfg: Config, layout: Layout) -> str:
             f"#SBATCH --job-name=parakit-{cfg.model.name}",
             f"#SBATCH --nodes={c.nodes}",
             "#SBATCH --ntasks-per-node=1",
-            f"#SBATCH --gpus-per-node={c.gpus_per_node}",
+            # the one task per node runs torchrun, which starts gpus_per_node ranks: on a CPU
+            # cluster a CPU each (Slurm rejects GPUs that its nodes do not declare)
+            f"#SBATCH --cpus-per-task={c.gpus_per_node}"
+            if c.device == "cpu"
+            else f"#SBATCH --gpus-per-node={c.gpus_per_node}",
             "#SBATCH --exclusive",
         ]
     body = [
