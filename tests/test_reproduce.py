@@ -1,9 +1,10 @@
 """`parakit reproduce`: a recipe against its baseline (the golden loss curve, throughput and memory),
 a baseline recorded, layouts and backends against each other, GPU recipes' published figures.
 
-The CPU recipes' regressions: the ZeRO-3 recipe here (and a recorded copy of it altered on purpose:
-another learning rate, another seed, a layer dropped, each caught with its step and deviation), the README demo in
-tests/test_train_megatron.py (its run feeds the export tests too). Runs stop after a few steps
+The CPU recipes' regressions: the ZeRO-3 recipe here (and a recorded copy of it altered on
+purpose: another learning rate, another seed, a layer dropped, each caught with its step and
+deviation), the README demo in tests/test_train_megatron.py (its run feeds the export tests
+too). Runs stop after a few steps
 (--steps: the learning-rate schedule still spans the recipe's steps, so those steps are the
 golden curve's)."""
 
@@ -95,6 +96,27 @@ def test_recording_over_a_different_baseline_names_what_differs():
     assert Baseline.from_yaml(old.to_yaml(), "x").to_yaml() == old.to_yaml()  # the file round-trips
 
 
+def test_record_refuses_to_overwrite_a_different_baseline(tmp_path, compose, capsys):
+    """--record over a baseline that expects another curve exits 2 naming what differs and leaves
+    the file as it was; the same result recorded again, or --force, writes it."""
+    from toolkit.reproduce.run import record
+
+    cfg = compose("recipe=tiny_cpu_zero3")
+    figures = {"tokens_per_s": 1000.0, "memory_gib": 2.0}
+    path = tmp_path / "baselines" / "r.yaml"
+    assert record(cfg, "r", [], [tmp_path], None, dict(CURVE), figures, HERE, force=False) == 0
+    stored = path.read_text()
+    existing = Baseline.from_yaml(stored, str(path))
+    moved = CURVE | {2: 9.6}
+    assert record(cfg, "r", [], [tmp_path], existing, moved, figures, HERE, force=False) == 2
+    said = capsys.readouterr().err
+    assert "holds a different baseline (the loss at step 2 (9.500000 -> 9.600000))" in said and "--force" in said
+    assert path.read_text() == stored  # untouched
+    assert record(cfg, "r", [], [tmp_path], existing, dict(CURVE), figures, HERE, force=False) == 0  # same result
+    assert record(cfg, "r", [], [tmp_path], existing, moved, figures, HERE, force=True) == 0
+    assert Baseline.from_yaml(path.read_text(), str(path)).loss[2] == 9.6
+
+
 def test_layout_names_parse_and_bad_ones_name_the_syntax():
     assert parse_layout("tp2_pp2_vpp2") == {"tp": 2, "pp": 2, "vpp": 2}
     assert [v.world_size for v in variants("pp4_vpp2,dp4", "megatron")] == [4, 4]
@@ -108,7 +130,7 @@ def test_layout_names_parse_and_bad_ones_name_the_syntax():
 
 def test_runs_that_agree_and_then_separate_are_reported_as_amplified_rounding(tmp_path, capsys):
     """The demo's layouts over its 40 steps at lr 3e-3 (toolkit/reproduce/layouts.py): equal through
-    step 6, then apart x3-10 per step. Made-up curves of that shape, and one wrong from the start."""
+    step 6, then moving apart geometrically. Made-up curves of that shape, and one wrong from the start."""
     from toolkit.reproduce.layouts import Variant, _compare
 
     ref = {s: 10.0 - 0.1 * s for s in range(1, 11)}
@@ -172,9 +194,9 @@ def test_the_zero3_recipe_reproduces_its_golden_curve(tmp_path):
 
 @pytest.fixture(scope="module")
 def recorded(tmp_path_factory):
-    """A user's recipe (the ZeRO-3 recipe on one rank, 3 small steps) in a config directory, its baseline recorded
-    with --record into CONFIG_DIR/baselines/short.yaml. The altered runs below reproduce against
-    it; the shipped ZeRO-3 baseline, recorded the same way, reproduces above."""
+    """A user's recipe (the ZeRO-3 recipe on one rank, 3 small steps) in a config directory, its
+    baseline recorded with --record into CONFIG_DIR/baselines/short.yaml. The altered runs below
+    reproduce against it; the shipped ZeRO-3 baseline, recorded the same way, reproduces above."""
     tmp = tmp_path_factory.mktemp("record")
     conf = tmp / "conf"
     (conf / "recipe").mkdir(parents=True)
@@ -194,7 +216,7 @@ def test_record_writes_a_baseline_with_its_provenance(recorded):
     assert sorted(stored["loss"]) == [1, 2, 3] and stored["loss_tolerance"] == 1e-4
     assert {"command", "code_version", "date", "machine", "libraries"} <= set(stored["provenance"])
     assert stored["provenance"]["libraries"]["deepspeed"] and len(stored["hardware"]) == 1
-    # recording over it with another result is refused (test_recording_over_a_different_baseline_names_what_differs)
+    # recording over it with another result is refused: test_record_refuses_to_overwrite_a_different_baseline
 
 
 @pytest.mark.slow
