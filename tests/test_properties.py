@@ -310,7 +310,7 @@ def test_whatever_validator_accepts_upstream_accepts():
     """The plausible property over 120 examples: at least 90% of them pass the validator, at least
     40% of the 120 get through DeepSpeedConfig and megatron-core's TransformerConfig, and the
     accepted ones include both backends, every model, cluster, ZeRO preset, precision and
-    recompute (120 examples reach every option: checked with CI=true).
+    recompute (the seeded draw of 120 reaches every option).
 
     Counted per distinct override list (a configuration drawn twice counts once), over the
     generate phase only: no database (nothing replayed from earlier runs), no explicit examples.
@@ -323,9 +323,9 @@ def test_whatever_validator_accepts_upstream_accepts():
     def plausible_property(overrides):
         verdicts[tuple(overrides)] = _judge(overrides)
 
-    if settings().derandomize:  # CI: one fixed seed per example count, so that the runs differ
-        plausible_property = seed(max_examples)(plausible_property)
-    plausible_property()
+    # A fixed draw, with or without CI=true: the coverage asserted below is a fact about these 120
+    # examples (a random draw of 120 once missed fp8); the property itself holds for any draw.
+    seed(max_examples)(plausible_property)()
     accepted = [dict(o.split("=", 1) for o in overrides) for overrides, rules in verdicts.items() if not rules]
     rejected_by = Counter(rule for rules in verdicts.values() for rule in rules)
     summary = f"{len(accepted)} of {len(verdicts)} plausible configurations accepted (rejected by: {dict(rejected_by)})"

@@ -72,6 +72,9 @@ def test_throughput_fails_only_when_slower_memory_either_way():
     slow = compare(baseline(), curve, HERE, {"tokens_per_s": 600.0, "memory_gib": 2.0}, 1e-4)
     assert not slow.ok and "throughput: expected 1,000 tokens/s, measured 600 tokens/s (-40.0%)" in slow.table()
     assert not compare(baseline(), curve, HERE, {"tokens_per_s": 1000.0, "memory_gib": 1.6}, 1e-4).ok  # -20%
+    few = compare(baseline(), curve, HERE, {"tokens_per_s": 600.0, "memory_gib": 2.0, "timed_steps": 2}, 1e-4)
+    assert few.ok and [f.name for f in few.figures] == ["peak tensor memory"]  # 2 timed steps: not judged
+    assert any("throughput not judged: the median of 2 timed step(s)" in n for n in few.notes)
 
 
 def test_elsewhere_only_the_loss_is_compared_and_a_short_run_only_its_steps():
@@ -185,6 +188,7 @@ def test_the_zero3_recipe_reproduces_its_golden_curve(tmp_path):
     report = json.loads((tmp_path / "run" / "reproduce.json").read_text())
     assert report["pass"] and [r["step"] for r in report["loss"]["steps"]] == [1, 2, 3, 4]
     assert report["loss"]["not_reached"][0] == 5 and (tmp_path / "run" / "reproduce.png").stat().st_size > 10_000
+    assert "note: throughput not judged: the median of 2 timed step(s)" in done.stdout  # memory still is
     from toolkit.cli import main  # `parakit report` shows the comparison
 
     assert main(["report", str(tmp_path / "run"), "--output", str(tmp_path / "report")]) == 0

@@ -172,6 +172,7 @@ def measured(run_dir: Path, warmup_steps: int) -> dict:
         "memory_gib": None,
         "rss_gib": None,
         "final_loss": records[-1]["loss"],
+        "timed_steps": len(timed),
     }
     result = read_result(run_dir)
     ranks = result.get("ranks")
