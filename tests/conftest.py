@@ -55,3 +55,12 @@ def prepared_corpus(tmp_path_factory, corpus_jsonl, big_tokenizer):
     args = ["data", "prepare", str(corpus_jsonl), "--output", str(prefix), "--tokenizer", str(big_tokenizer)]
     assert main([*args, "--workers", "2"]) == 0
     return prefix
+
+
+@pytest.fixture(scope="session")
+def slurm_env(tmp_path_factory):
+    """The environment in which sbatch reaches a Slurm cluster with partition debug, started once
+    for the session where none runs (tests/slurm_cluster.py), or the test skipped with the reason."""
+    from slurm_cluster import slurm_cluster
+
+    yield from slurm_cluster(lambda: tmp_path_factory.mktemp("slurm"))

@@ -209,3 +209,68 @@ def test_a_multi_node_launch_script_asks_for_gpus_only_on_gpu_clusters(compose):
     gpu = compose("model=tiny", "cluster=h100_cluster", "cluster.nodes=2", "train.global_batch=64")
     text = launch_script(gpu, resolve(gpu))
     assert f"#SBATCH --gpus-per-node={gpu.cluster.gpus_per_node}" in text and "--cpus-per-task" not in text
+
+
+def test_cluster_slurm_settings_become_sbatch_options_and_srun_flags(compose, tmp_path):
+    """cluster.slurm.*: each set field as the sbatch option of its name; a container as pyxis's
+    srun flags; one log per node; without Slurm the script names what to set."""
+    from toolkit.emit.launch import launch_script
+    from toolkit.plan.layout import resolve
+
+    slurm = {
+        "partition": "debug", "account": "proj", "qos": "high", "time": "01:30:00", "constraint": "h100",
+        "cpus_per_task": 16, "container_image": "nvcr.io/nvidia/pytorch:24.05-py3",
+        "container_mounts": "/data:/data", "socket_ifname": "ib0", "log_dir": "/logs/run1",
+    }  # fmt: skip
+    cfg = compose(
+        "model=tiny", "cluster=h100_cluster", "cluster.nodes=2", "train.global_batch=64",
+        *(f"cluster.slurm.{k}={v}" for k, v in slurm.items()), "cluster.slurm.exclusive=false",
+        'cluster.slurm.extra_sbatch=["--mail-type=END","--reservation=r1"]',  # Hydra: quote a leading --
+    )  # fmt: skip
+    text = launch_script(cfg, resolve(cfg))
+    sbatch = [line.removeprefix("#SBATCH ") for line in text.splitlines() if line.startswith("#SBATCH")]
+    for name in ("partition", "account", "qos", "time", "constraint", "cpus_per_task"):
+        assert f"--{name.replace('_', '-')}={slurm[name]}" in sbatch, (name, sbatch)
+    assert {"--gpus-per-node=8", "--output=/logs/run1/%x-%j.out", "--mail-type=END", "--reservation=r1"} <= set(sbatch)
+    assert "--exclusive" not in sbatch
+    assert "--container-image=nvcr.io/nvidia/pytorch:24.05-py3" in text and "--container-mounts=/data:/data" in text
+    assert "NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=ib0" in text and "TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in text
+    assert '--output="$LOG_DIR/node-%N-%j.log"' in text and 'LOG_DIR="${PARAKIT_LOG_DIR:-/logs/run1}"' in text
+    plain = compose("model=tiny", "cluster=cpu", "cluster.nodes=2", "cluster.gpus_per_node=2", "train.global_batch=8")
+    text = launch_script(plain, resolve(plain))
+    assert "--partition" not in text and "#SBATCH --exclusive" in text and "--container" not in text
+    (tmp_path / "launch.sh").write_text(text)
+    run = subprocess.run(
+        ["bash", str(tmp_path / "launch.sh")], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}
+    )
+    assert run.returncode == 2 and "no config.yaml in" in run.stderr  # the run directory is checked first
+    (tmp_path / "config.yaml").write_text("{}")
+    run = subprocess.run(
+        ["bash", str(tmp_path / "launch.sh")], capture_output=True, text=True, env={"PATH": "/usr/bin:/bin"}
+    )
+    assert run.returncode != 0 and "without Slurm set MASTER_ADDR to the first node" in run.stderr
+
+
+def test_multi_node_train_dry_run_prints_the_batch_script_and_without_slurm_says_how(tmp_path, monkeypatch, capsys):
+    from toolkit.cli import main
+
+    two_nodes = ["model=tiny", "data=synthetic", "cluster.nodes=2", "cluster.gpus_per_node=2", "train.global_batch=8"]
+    assert main(["train", "--dry-run", *two_nodes, f"hydra.run.dir={tmp_path / 'dry'}"]) == 0
+    out = capsys.readouterr().out
+    assert "#SBATCH --nodes=2" in out and "srun --ntasks-per-node=1" in out and "dry run: nothing submitted" in out
+    assert f"would submit: cd {tmp_path / 'dry'} && sbatch --parsable --output={tmp_path / 'dry'}/logs/%x-%j.out" in out
+    assert not (tmp_path / "dry" / "logs").exists()
+    monkeypatch.setattr("toolkit.train.slurm.shutil.which", lambda name: None)
+    assert main(["train", *two_nodes, f"hydra.run.dir={tmp_path / 'none'}"]) == 2
+    err = capsys.readouterr().err
+    assert "2 nodes need Slurm, and this machine has no sbatch" in err
+    assert (
+        f"MASTER_ADDR=<first node's address> RDZV_ID=<any id, the same on every node> {tmp_path / 'none'}/launch.sh"
+        in err
+    )
+    assert (
+        main(["train", "--dry-run", "model=tiny", "cluster.gpus_per_node=2", f"hydra.run.dir={tmp_path / 'one'}"]) == 0
+    )
+    assert (
+        "would run: " in (out := capsys.readouterr().out) and "--nproc-per-node 2" in out and "nothing started" in out
+    )

@@ -2,80 +2,30 @@
 hydra-submitit-launcher) asking for what its ranks need, trained inside its allocation and recorded
 in the sweep directory; a re-run submits nothing for recorded points.
 
-The cluster is the one already running (sinfo answers, partition debug), else the two-node one that
-../shared/reference/slurm-local/start.sh starts on this machine (root; it apt-installs slurm-wlm),
-stopped again at the end. Where neither is possible the Slurm test is skipped with the reason."""
+The cluster: the session's `slurm_env` (tests/slurm_cluster.py)."""
 
 from __future__ import annotations
 
 import json
-import os
 import re
 import shutil
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
+from slurm_cluster import ended_job, job
 
 from toolkit.report.sweep_slurm import resources
 
-SLURM_LOCAL = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "slurm-local"
 SHORT = ["data=synthetic", "train.steps=3", "train.global_batch=4", "model.num_layers=2", "--warmup-steps", "1"]
 GRID = ["backend=megatron", "cluster.gpus_per_node=1,2"]
-
-
-def _debug_partition_up(env: dict) -> bool:
-    if shutil.which("sinfo") is None:
-        return False
-    out = subprocess.run(["sinfo", "-h", "-p", "debug", "-o", "%T"], capture_output=True, text=True, env=env)
-    return out.returncode == 0 and bool(out.stdout.strip())
-
-
-@pytest.fixture(scope="module")
-def slurm_env(tmp_path_factory):
-    """The environment in which sbatch reaches a cluster with partition debug."""
-    env = dict(os.environ)
-    if _debug_partition_up(env):
-        yield env
-        return
-    if subprocess.run(["pgrep", "-x", "slurmctld"], capture_output=True).returncode == 0:
-        pytest.skip("a slurmctld runs but sinfo cannot reach partition debug: export SLURM_CONF=its slurm.conf")
-    if not (SLURM_LOCAL / "start.sh").exists():
-        pytest.skip(f"no Slurm running and no {SLURM_LOCAL}/start.sh to start one (../shared beside the checkout)")
-    directory = tmp_path_factory.mktemp("slurm")
-    started = subprocess.run(
-        ["bash", str(SLURM_LOCAL / "start.sh"), str(directory)], capture_output=True, text=True, timeout=900
-    )
-    try:
-        if started.returncode != 0:
-            reason = " | ".join((started.stderr + started.stdout).strip().splitlines()[:5])
-            pytest.skip(f"slurm-local/start.sh could not start Slurm (exit {started.returncode}): {reason}")
-        env["SLURM_CONF"] = str(directory / "slurm.conf")
-        yield env
-    finally:  # exactly what start.sh started, by its pid files
-        subprocess.run(["bash", str(SLURM_LOCAL / "stop.sh"), str(directory)], capture_output=True, timeout=60)
 
 
 def sweep(directory: Path, env: dict, *args: str) -> subprocess.CompletedProcess:
     command = [sys.executable, "-m", "toolkit.cli", "sweep", *args, f"hydra.sweep.dir={directory}"]
     return subprocess.run(command, capture_output=True, text=True, timeout=600, cwd=directory.parent, env=env)
-
-
-def _job(job_id: str, env: dict) -> dict:
-    out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True, env=env)
-    return dict(re.findall(r"(\w+)=(\S+)", out.stdout))
-
-
-def _ended_job(job_id: str, env: dict, wait_s: float = 30) -> dict:
-    """The job once Slurm has it ended: submitit's result (which the sweep waits for) is written
-    before the job's batch script returns, so for a moment the job can still be RUNNING."""
-    deadline = time.monotonic() + wait_s
-    while (job := _job(job_id, env)) and job["JobState"] in ("RUNNING", "COMPLETING") and time.monotonic() < deadline:
-        time.sleep(0.5)
-    return job
 
 
 @pytest.mark.slow
@@ -98,11 +48,11 @@ def test_sweep_points_run_as_slurm_jobs_and_a_rerun_submits_nothing(slurm_env, t
     for job_id in job_ids:
         logs = list((directory / ".submitit").glob(f"{job_id}*/*_0_log.out"))
         assert logs and "sweep point" in logs[0].read_text(), job_id
-        job = _ended_job(job_id, slurm_env)
-        if job:  # slurmctld forgets finished jobs after MinJobAge (300 s)
-            assert job["JobState"] == "COMPLETED" and job["Partition"] == "debug", job
-            assert "gpu" not in job.get("TRES", ""), job
-    cpus = sorted(int(_job(j, slurm_env).get("NumCPUs", 0)) for j in job_ids)
+        ended = ended_job(job_id, slurm_env)
+        if ended:  # slurmctld forgets finished jobs after MinJobAge (300 s)
+            assert ended["JobState"] == "COMPLETED" and ended["Partition"] == "debug", ended
+            assert "gpu" not in ended.get("TRES", ""), ended
+    cpus = sorted(int(job(j, slurm_env).get("NumCPUs", 0)) for j in job_ids)
     assert cpus in ([1, 2], [0, 0]), cpus
 
     submitted = sorted((directory / ".submitit").iterdir())

@@ -149,9 +149,13 @@ def _train(cfg, opts) -> int:
     written = _write_run_dir("train", cfg)
     if written is None:
         return 2
-    from toolkit.train.launch import train_here
+    layout, run_dir = written
+    from toolkit.train.launch import dry_run, train_here
 
-    return train_here(cfg, *written)
+    if opts.dry_run:
+        return dry_run(cfg, layout, run_dir)
+
+    return train_here(cfg, layout, run_dir, detach=opts.detach)
 
 
 def _data_prepare(cfg, opts) -> int:
@@ -523,8 +527,21 @@ COMMANDS = {
         Command(
             "train",
             "validate, generate the run directory, then train: in this process for one rank, through torchrun "
-            "for several (cluster.gpus_per_node ranks on this machine)",
+            "for several (cluster.gpus_per_node ranks on this machine); on several nodes (cluster.nodes) submit "
+            "launch.sh to Slurm and follow the job's logs",
             _train,
+            options=(
+                Option(
+                    ("--dry-run",),
+                    dict(
+                        action="store_true", help="write the run directory and print the launch command; start nothing"
+                    ),
+                ),
+                Option(
+                    ("--detach",),
+                    dict(action="store_true", help="several nodes: submit the job and return (do not follow its logs)"),
+                ),
+            ),
             writes=True,
         ),
         Command(

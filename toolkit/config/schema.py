@@ -347,6 +347,28 @@ class TrainConfig:
 
 
 @dataclass
+class SlurmConfig:
+    """What a multi-node launch.sh asks Slurm for (sbatch's options of the same names)."""
+
+    partition: Optional[str] = None  # null: the cluster's default partition
+    account: Optional[str] = None
+    qos: Optional[str] = None
+    time: Optional[str] = None  # the job's time limit as sbatch takes it (HH:MM:SS, D-HH:MM:SS); null: the partition's
+    constraint: Optional[str] = None  # node features (--constraint)
+    exclusive: bool = True  # whole nodes: no other job shares their devices or network
+    # CPUs for each node's one task (torchrun and its ranks); null: one per rank on CPU clusters,
+    # Slurm's default on GPU clusters.
+    cpus_per_task: Optional[int] = None
+    extra_sbatch: list[str] = field(default_factory=list)  # more options, e.g. ["--mail-type=END"]
+    container_image: Optional[str] = None  # pyxis/enroot: srun --container-image
+    container_mounts: Optional[str] = None  # pyxis/enroot: srun --container-mounts (SRC:DST,...)
+    # The network interface NCCL and gloo use between nodes (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME);
+    # null: their own choice.
+    socket_ifname: Optional[str] = None
+    log_dir: Optional[str] = None  # the job's log and one log per node; null: <run directory>/logs
+
+
+@dataclass
 class ClusterConfig:
     name: str = "cpu"
     device: Device = Device.cpu
@@ -385,6 +407,7 @@ class ClusterConfig:
     cores_per_node: Optional[int] = None
     gpu_mtbf_hours: float = 50_000.0  # mean time between failures of one device
     checkpoint_write_gbs_per_node: float = 2.0  # sustained checkpoint write bandwidth per node
+    slurm: SlurmConfig = field(default_factory=SlurmConfig)  # multi-node runs: what sbatch asks for
 
 
 @dataclass

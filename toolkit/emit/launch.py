@@ -43,9 +43,74 @@ def _entry(cfg: Config) -> str:
     return "\n".join(lines)
 
 
+def _sbatch_lines(cfg: Config) -> list[str]:
+    """The #SBATCH header of a multi-node script, from cluster.slurm."""
+    c, slurm = cfg.cluster, cfg.cluster.slurm
+    # The one task per node runs torchrun, which starts gpus_per_node ranks: on a CPU cluster a
+    # CPU each (Slurm rejects GPUs that its nodes do not declare).
+    cpus = slurm.cpus_per_task or (c.gpus_per_node if c.device == "cpu" else None)
+    options = [
+        f"--job-name=parakit-{cfg.model.name}",
+        f"--nodes={c.nodes}",
+        "--ntasks-per-node=1",
+        *([f"--gpus-per-node={c.gpus_per_node}"] if c.device != "cpu" else []),
+        *([f"--cpus-per-task={cpus}"] if cpus else []),
+        *(f"--{name}={value}" for name in SBATCH_SETTINGS if (value := getattr(slurm, name)) is not None),
+        *(["--exclusive"] if slurm.exclusive else []),
+        *([f"--output={slurm.log_dir}/%x-%j.out", "--open-mode=append"] if slurm.log_dir else []),
+        *slurm.extra_sbatch,
+    ]
+    return [f"#SBATCH {option}" for option in options]
+
+
+def _multi_node_body(cfg: Config, restarts: str) -> list[str]:
+    """torchrun on every node of the job (srun, one task per node) or, without Slurm, on this one."""
+    c, slurm = cfg.cluster, cfg.cluster.slurm
+    container = [
+        f"--{flag}={value}"
+        for flag, value in (("container-image", slurm.container_image), ("container-mounts", slurm.container_mounts))
+        if value
+    ]
+    if container:
+        container.append('--container-workdir="$RUN_DIR"')
+    torchrun = (
+        f"torchrun --nnodes {c.nodes} --nproc-per-node {c.gpus_per_node} {restarts} --rdzv-backend c10d "
+        f'--rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID" "${{ENTRY[@]}}"'
+    )
+    return [
+        f'LOG_DIR="${{PARAKIT_LOG_DIR:-{slurm.log_dir or "$RUN_DIR/logs"}}}"',
+        'mkdir -p "$LOG_DIR"',
+        f"export MASTER_PORT=${{MASTER_PORT:-{RDZV_PORT}}}",
+        *(
+            [f"export NCCL_SOCKET_IFNAME={slurm.socket_ifname} GLOO_SOCKET_IFNAME={slurm.socket_ifname}"]
+            if slurm.socket_ifname
+            else []
+        ),
+        'if [[ -n "${SLURM_JOB_ID:-}" ]]; then',
+        "  # the rendezvous is on the job's first node; one log per node (appended to when requeued)",
+        '  MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
+        '  RDZV_ID="$SLURM_JOB_ID"',
+        '  echo "parakit: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, run directory $RUN_DIR, node logs $LOG_DIR"',
+        '  srun --ntasks-per-node=1 --kill-on-bad-exit=1 --open-mode=append --output="$LOG_DIR/node-%N-%j.log" \\',
+        *(f"    {flag} \\" for flag in container),
+        f"    {torchrun}",
+        "else",
+        f"  # without Slurm: run this script on each of the {c.nodes} nodes, MASTER_ADDR naming the first",
+        '  : "${MASTER_ADDR:?without Slurm set MASTER_ADDR to the first node (and the same RDZV_ID on every node)}"',
+        '  RDZV_ID="${RDZV_ID:-parakit}"',
+        f"  {torchrun}",
+        "fi",
+    ]
+
+
+# cluster.slurm fields written as the sbatch option of the same name, when set
+SBATCH_SETTINGS = ("partition", "account", "qos", "time", "constraint")
+
+
 def launch_script(cfg: Config, layout: Layout) -> str:
-    """launch.sh for the run directory: torchrun on one node, or an sbatch script whose srun starts
-    one torchrun per node (c10d rendezvous) for several; each rank runs `python -m toolkit.train`."""
+    """launch.sh for the run directory: torchrun on one node, or for several a Slurm batch script
+    whose srun starts one torchrun per node (c10d rendezvous on the first), which also runs by hand
+    on each node without Slurm; each rank runs `python -m toolkit.train`."""
     c = cfg.cluster
     header = [
         "#!/usr/bin/env bash",
@@ -55,36 +120,33 @@ def launch_script(cfg: Config, layout: Layout) -> str:
         f"global batch {layout.global_batch} = micro {layout.micro_batch} x accum {layout.grad_accum} x dp {layout.dp}",
     ]
     if c.nodes > 1:
-        header += [
-            f"#SBATCH --job-name=parakit-{cfg.model.name}",
-            f"#SBATCH --nodes={c.nodes}",
-            "#SBATCH --ntasks-per-node=1",
-            # the one task per node runs torchrun, which starts gpus_per_node ranks: on a CPU
-            # cluster a CPU each (Slurm rejects GPUs that its nodes do not declare)
-            f"#SBATCH --cpus-per-task={c.gpus_per_node}"
-            if c.device == "cpu"
-            else f"#SBATCH --gpus-per-node={c.gpus_per_node}",
-            "#SBATCH --exclusive",
+        header += _sbatch_lines(cfg)
+    body = ["set -euo pipefail"]
+    if c.nodes > 1:
+        # sbatch runs a copy of the script from its spool directory: the run directory is where
+        # it was submitted from (parakit train submits from there)
+        body += [
+            'RUN_DIR="${PARAKIT_RUN_DIR:-${SLURM_SUBMIT_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)}}"',
+            'if [[ ! -f "$RUN_DIR/config.yaml" ]]; then',
+            '  echo "parakit: no config.yaml in $RUN_DIR: submit from the run directory (cd RUN_DIR && sbatch '
+            'launch.sh) or set PARAKIT_RUN_DIR" >&2',
+            "  exit 2",
+            "fi",
         ]
-    body = [
-        "set -euo pipefail",
-        'RUN_DIR="${PARAKIT_RUN_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)}"',
-        "export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}",
-    ]
+    else:
+        body.append('RUN_DIR="${PARAKIT_RUN_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)}"')
+    body.append("export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}")
     if c.device == "cpu":
         body.append("export DS_ACCELERATOR=cpu  # gloo on CPU")
     else:
-        body.append("export CUDA_DEVICE_MAX_CONNECTIONS=1  # Megatron: keep TP/SP comm ordered with compute")
+        body += [
+            "export CUDA_DEVICE_MAX_CONNECTIONS=1  # Megatron: keep TP/SP comm ordered with compute",
+            "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1  # a dead peer fails the collective instead of hanging it",
+        ]
     body.append(_entry(cfg))
     restarts = f"--max-restarts ${{PARAKIT_MAX_RESTARTS:-{cfg.train.fault.max_restarts}}}"
     if c.nodes == 1:
         body.append(f'torchrun --standalone --nnodes 1 --nproc-per-node {c.gpus_per_node} {restarts} "${{ENTRY[@]}}"')
     else:
-        body += [
-            'MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
-            f'srun --ntasks-per-node=1 torchrun --nnodes "$SLURM_NNODES" --nproc-per-node {c.gpus_per_node} '
-            f"{restarts} \\",
-            f'  --rdzv-backend c10d --rdzv-endpoint "$MASTER_ADDR:{RDZV_PORT}" --rdzv-id "$SLURM_JOB_ID" '
-            f'"${{ENTRY[@]}}"',
-        ]
+        body += _multi_node_body(cfg, restarts)
     return "\n".join(header + body) + "\n"

@@ -7,6 +7,7 @@ parakit never implements a process launcher: several local ranks run under torch
 from __future__ import annotations
 
 import os
+import shlex
 import signal
 import subprocess
 import sys
@@ -37,13 +38,13 @@ def torchrun_command(layout: Layout, run_dir: Path, nproc: int, max_restarts: in
     ]
 
 
-def train_here(cfg: Config, layout: Layout, run_dir: Path) -> int:
-    if cfg.cluster.nodes > 1:
-        print(
-            f"parakit train: {cfg.cluster.nodes} nodes: submit {run_dir / 'launch.sh'} with sbatch instead",
-            file=sys.stderr,
-        )
-        return 2
+def train_here(cfg: Config, layout: Layout, run_dir: Path, detach: bool = False) -> int:
+    """One node: the ranks run here (this process, or torchrun's). Several: a Slurm job
+    (toolkit.train.slurm) that `detach` leaves running instead of following its logs."""
+    if cfg.cluster.nodes > 1 and "LOCAL_RANK" not in os.environ:
+        from toolkit.train.slurm import submit
+
+        return submit(cfg, run_dir, detach)
     if layout.world_size == 1 or "LOCAL_RANK" in os.environ:
         from toolkit.train.trainer import quiet_upstream_notices, run_to_exit_code
 
@@ -69,3 +70,18 @@ def train_here(cfg: Config, layout: Layout, run_dir: Path) -> int:
             os.killpg(proc.pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+
+
+def dry_run(cfg: Config, layout: Layout, run_dir: Path) -> int:
+    """`parakit train --dry-run`: what train would start, started not."""
+    if cfg.cluster.nodes > 1:
+        from toolkit.train.slurm import dry_run as slurm_dry_run
+
+        return slurm_dry_run(cfg, run_dir)
+    if layout.world_size == 1:
+        print(f"would train in this process: python -m toolkit.train --config-dir {run_dir} --config-name config")
+    else:
+        command = torchrun_command(layout, run_dir, layout.world_size, cfg.train.fault.max_restarts)
+        print(f"would run: {shlex.join(command)}")
+    print("dry run: nothing started")
+    return 0

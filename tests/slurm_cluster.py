@@ -1,0 +1,65 @@
+"""The Slurm cluster of the Slurm tests: the one already running (sinfo answers, partition debug),
+else the two-node one that ../shared/reference/slurm-local/start.sh starts on this machine (root;
+it apt-installs slurm-wlm; nodes node1 and node2, 2 CPUs each), started once per test session by
+the `slurm_env` fixture (tests/conftest.py) and stopped again at its end. Where neither is possible
+the Slurm tests are skipped with the reason."""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import subprocess
+import time
+from pathlib import Path
+
+import pytest
+
+SLURM_LOCAL = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "slurm-local"
+
+
+def _debug_partition_up(env: dict) -> bool:
+    if shutil.which("sinfo") is None:
+        return False
+    out = subprocess.run(["sinfo", "-h", "-p", "debug", "-o", "%T"], capture_output=True, text=True, env=env)
+    return out.returncode == 0 and bool(out.stdout.strip())
+
+
+def slurm_cluster(directory_factory):
+    """Yields the environment in which sbatch reaches a cluster with partition debug."""
+    env = dict(os.environ)
+    if _debug_partition_up(env):
+        yield env
+        return
+    if subprocess.run(["pgrep", "-x", "slurmctld"], capture_output=True).returncode == 0:
+        pytest.skip("a slurmctld runs but sinfo cannot reach partition debug: export SLURM_CONF=its slurm.conf")
+    if not (SLURM_LOCAL / "start.sh").exists():
+        pytest.skip(f"no Slurm running and no {SLURM_LOCAL}/start.sh to start one (../shared beside the checkout)")
+    directory = directory_factory()
+    started = subprocess.run(
+        ["bash", str(SLURM_LOCAL / "start.sh"), str(directory)], capture_output=True, text=True, timeout=900
+    )
+    try:
+        if started.returncode != 0:
+            reason = " | ".join((started.stderr + started.stdout).strip().splitlines()[:5])
+            pytest.skip(f"slurm-local/start.sh could not start Slurm (exit {started.returncode}): {reason}")
+        env["SLURM_CONF"] = str(directory / "slurm.conf")
+        yield env
+    finally:  # exactly what start.sh started, by its pid files
+        subprocess.run(["bash", str(SLURM_LOCAL / "stop.sh"), str(directory)], capture_output=True, timeout=60)
+
+
+def job(job_id: str, env: dict) -> dict:
+    out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True, env=env)
+    return dict(re.findall(r"(\w+)=(\S+)", out.stdout))
+
+
+def ended_job(job_id: str, env: dict, wait_s: float = 30) -> dict:
+    """The job once Slurm has it ended: submitit's result (which the sweep waits for) is written
+    before the job's batch script returns, so for a moment the job can still be RUNNING."""
+    deadline = time.monotonic() + wait_s
+    while (found := job(job_id, env)) and found["JobState"] in ("RUNNING", "COMPLETING"):
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.5)
+    return found
