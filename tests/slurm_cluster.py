@@ -54,6 +54,10 @@ def job(job_id: str, env: dict) -> dict:
     return dict(re.findall(r"(\w+)=(\S+)", out.stdout))
 
 
+def job_state(job_id: str, env: dict) -> str | None:
+    return job(job_id, env).get("JobState")
+
+
 def ended_job(job_id: str, env: dict, wait_s: float = 30) -> dict:
     """The job once Slurm has it ended: submitit's result (which the sweep waits for) is written
     before the job's batch script returns, so for a moment the job can still be RUNNING."""
@@ -63,3 +67,72 @@ def ended_job(job_id: str, env: dict, wait_s: float = 30) -> dict:
             break
         time.sleep(0.5)
     return found
+
+
+class Following:
+    """`parakit train` submitting to Slurm and following its job, in the background: its output
+    lines as they come, the job id once submitted."""
+
+    def __init__(self, args: list[str], env: dict, cwd: Path):
+        import sys
+        import threading
+
+        self.lines: list[str] = []
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "toolkit.cli", "train", *args],
+            cwd=cwd,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        self._reader = threading.Thread(target=lambda: self.lines.extend(self.proc.stdout), daemon=True)
+        self._reader.start()
+
+    @property
+    def output(self) -> str:
+        return "".join(self.lines)
+
+    def job_id(self, timeout_s: float = 120) -> str:
+        deadline = time.monotonic() + timeout_s
+        while not (found := re.search(r"submitted Slurm job (\d+)", self.output)):
+            assert self.proc.poll() is None and time.monotonic() < deadline, self.output[-3000:]
+            time.sleep(0.2)
+        return found.group(1)
+
+    def wait(self, timeout_s: float) -> int:
+        code = self.proc.wait(timeout=timeout_s)
+        self._reader.join(timeout=10)
+        return code
+
+
+def wait_for_step(run_dir: Path, step: int, following: Following, timeout_s: float = 240) -> None:
+    """Until rank 0 has logged `step` in the run's metrics.jsonl."""
+    import json
+
+    deadline = time.monotonic() + timeout_s
+    log = run_dir / "metrics.jsonl"
+    while not (log.exists() and any(json.loads(line).get("step", 0) >= step for line in log.read_text().splitlines())):
+        assert following.proc.poll() is None, following.output[-3000:]
+        assert time.monotonic() < deadline, f"step {step} not reached in {timeout_s} s: " + following.output[-3000:]
+        time.sleep(0.2)
+
+
+def kill_node(job_id: str, node: str) -> list[int]:
+    """A node dies: every process of the job's step on `node` (the torchrun agent and its ranks,
+    found by their SLURM_JOB_ID and SLURMD_NODENAME) is killed at once, with no chance to clean up."""
+    import signal
+
+    killed = []
+    for proc in Path("/proc").iterdir():
+        try:
+            environ = (proc / "environ").read_bytes().split(b"\0")
+        except (OSError, ValueError):
+            continue
+        if f"SLURM_JOB_ID={job_id}".encode() in environ and f"SLURMD_NODENAME={node}".encode() in environ:
+            try:
+                os.kill(int(proc.name), signal.SIGKILL)
+                killed.append(int(proc.name))
+            except (ProcessLookupError, ValueError):
+                pass
+    return killed

@@ -235,7 +235,7 @@ def test_cluster_slurm_settings_become_sbatch_options_and_srun_flags(compose, tm
     assert "--exclusive" not in sbatch
     assert "--container-image=nvcr.io/nvidia/pytorch:24.05-py3" in text and "--container-mounts=/data:/data" in text
     assert "NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=ib0" in text and "TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in text
-    assert '--output="$LOG_DIR/node-%N-%j.log"' in text and 'LOG_DIR="${PARAKIT_LOG_DIR:-/logs/run1}"' in text
+    assert '--output="$LOG_DIR/%x-%j-node%n.log"' in text and 'LOG_DIR="${PARAKIT_LOG_DIR:-/logs/run1}"' in text
     plain = compose("model=tiny", "cluster=cpu", "cluster.nodes=2", "cluster.gpus_per_node=2", "train.global_batch=8")
     text = launch_script(plain, resolve(plain))
     assert "--partition" not in text and "#SBATCH --exclusive" in text and "--container" not in text
@@ -251,26 +251,23 @@ def test_cluster_slurm_settings_become_sbatch_options_and_srun_flags(compose, tm
     assert run.returncode != 0 and "without Slurm set MASTER_ADDR to the first node" in run.stderr
 
 
-def test_multi_node_train_dry_run_prints_the_batch_script_and_without_slurm_says_how(tmp_path, monkeypatch, capsys):
-    from toolkit.cli import main
-
+def test_multi_node_train_dry_run_prints_the_batch_script_and_without_slurm_says_how(tmp_path):
     two_nodes = ["model=tiny", "data=synthetic", "cluster.nodes=2", "cluster.gpus_per_node=2", "train.global_batch=8"]
-    assert main(["train", "--dry-run", *two_nodes, f"hydra.run.dir={tmp_path / 'dry'}"]) == 0
-    out = capsys.readouterr().out
-    assert "#SBATCH --nodes=2" in out and "srun --ntasks-per-node=1" in out and "dry run: nothing submitted" in out
-    assert f"would submit: cd {tmp_path / 'dry'} && sbatch --parsable --output={tmp_path / 'dry'}/logs/%x-%j.out" in out
-    assert not (tmp_path / "dry" / "logs").exists()
-    monkeypatch.setattr("toolkit.train.slurm.shutil.which", lambda name: None)
-    assert main(["train", *two_nodes, f"hydra.run.dir={tmp_path / 'none'}"]) == 2
-    err = capsys.readouterr().err
-    assert "2 nodes need Slurm, and this machine has no sbatch" in err
-    assert (
-        f"MASTER_ADDR=<first node's address> RDZV_ID=<any id, the same on every node> {tmp_path / 'none'}/launch.sh"
-        in err
+    dry = parakit("train", "--dry-run", *two_nodes, f"hydra.run.dir={tmp_path / 'dry'}", cwd=tmp_path)
+    assert dry.returncode == 0, dry.stderr
+    assert "#SBATCH --nodes=2" in dry.stdout and "srun --ntasks-per-node=1" in dry.stdout
+    assert "dry run: nothing submitted" in dry.stdout and not (tmp_path / "dry" / "logs").exists()
+    logs = tmp_path / "dry" / "logs"
+    assert f"would submit: cd {tmp_path / 'dry'} && sbatch --parsable --output={logs}/%x-%j.out" in dry.stdout
+    one = parakit(
+        "train", "--dry-run", "model=tiny", "cluster.gpus_per_node=2", f"hydra.run.dir={tmp_path}/one", cwd=tmp_path
     )
-    assert (
-        main(["train", "--dry-run", "model=tiny", "cluster.gpus_per_node=2", f"hydra.run.dir={tmp_path / 'one'}"]) == 0
-    )
-    assert (
-        "would run: " in (out := capsys.readouterr().out) and "--nproc-per-node 2" in out and "nothing started" in out
-    )
+    assert one.returncode == 0 and "would run: " in one.stdout and "--nproc-per-node 2" in one.stdout, one.stderr
+    assert "nothing started" in one.stdout
+    no_slurm = subprocess.run(  # a PATH without sbatch
+        [sys.executable, "-m", "toolkit.cli", "train", *two_nodes, f"hydra.run.dir={tmp_path / 'none'}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, env={**os.environ, "PATH": str(tmp_path / "bin")},
+    )  # fmt: skip
+    assert no_slurm.returncode == 2 and "2 nodes need Slurm, and this machine has no sbatch" in no_slurm.stderr
+    hint = f"MASTER_ADDR=<first node's address> RDZV_ID=<any id, the same on every node> {tmp_path / 'none'}/launch.sh"
+    assert hint in no_slurm.stderr

@@ -6,10 +6,15 @@ resumed from is read from its result.json. Mutations: a resume that drops the sc
 the random state, and one that gives up at a corrupt checkpoint and starts from scratch, are
 caught."""
 
+import os
+import re
 import shutil
+import subprocess
+import time
 
 import pytest
 import training_runs
+from slurm_cluster import Following, job_state, kill_node, wait_for_step
 from training_runs import (
     AUTO_INTERVAL,
     Tolerance,
@@ -220,3 +225,87 @@ def test_async_save_resumes_like_the_uninterrupted_run(tmp_path, uninterrupted):
 def test_interval_by_the_planners_rule(tmp_path):
     result = run(tmp_path, "auto", *PP2, *AUTO_INTERVAL)
     check_planned_interval(result, *COMMON, *PP2, *AUTO_INTERVAL)
+
+
+# ------------------------------------------------------------------ several nodes (Slurm)
+@pytest.fixture(scope="module")
+def preempted_on_two_nodes(slurm_env, tmp_path_factory):
+    """The uninterrupted tp2 pp2 vpp2 run with dropout as a Slurm job on 2 nodes x 2 ranks (tp
+    inside a node, pp across the two), followed by `parakit train`; once step 3 is logged the
+    batch shell gets USR1 as from `#SBATCH --signal=B:USR1@S` before the time limit."""
+    tmp = tmp_path_factory.mktemp("slurm_two_nodes")
+    two_nodes = [o for o in LONG_WITH_DROPOUT if not o.startswith("cluster.gpus_per_node")]
+    # no scheduled save before the last step: the preemption's checkpoint is the one it resumes from
+    common = [o for o in COMMON if not o.startswith("checkpoint.interval_steps")] + ["checkpoint.interval_steps=6"]
+    args = [*common, *two_nodes, "cluster.nodes=2", "cluster.gpus_per_node=2", "cluster.slurm.partition=debug"]
+    job = Following([*args, f"hydra.run.dir={tmp / 'run'}"], slurm_env, tmp)
+    job_id = job.job_id()
+    wait_for_step(tmp / "run", 3, job)
+    subprocess.run(["scancel", "--signal=USR1", "--batch", job_id], env=slurm_env, check=True)
+    # Slurm holds a requeued job back for two minutes (its BeginTime), as an admin can skip
+    deadline = time.monotonic() + 120
+    while job_state(job_id, slurm_env) != "PENDING" and job.proc.poll() is None and time.monotonic() < deadline:
+        time.sleep(0.5)
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=slurm_env, capture_output=True)
+    return job, job.wait(timeout_s=600), tmp / "run"
+
+
+@pytest.mark.slow
+def test_multi_node_slurm_job_equals_the_one_node_run(uninterrupted, preempted_on_two_nodes):
+    job, code, run_dir = preempted_on_two_nodes
+    assert code == 0, job.output[-4000:]
+    assert re.search(r"\[node1\] planner: predicted step", job.output), job.output[-4000:]  # rank 0's node log
+    assert "[node2] " in job.output  # and the other node's, followed
+    assert_same_training(uninterrupted["long"], Trained(run_dir), EXACT)
+
+
+@pytest.mark.slow
+def test_slurm_preemption_checkpoints_requeues_and_resumes_exactly(preempted_on_two_nodes):
+    job, code, run_dir = preempted_on_two_nodes
+    stopped = re.search(r"preempted: stopped after step (\d+) with its checkpoint", job.output)
+    assert stopped and "requeueing job" in job.output and code == 0, job.output[-4000:]
+    result = Trained(run_dir).result
+    assert result["resumed_step"] == int(stopped.group(1)) >= 3 and result["resumed_from"], result
+    assert "ended COMPLETED" in job.output and not (run_dir / "preempted").exists()
+
+
+@pytest.mark.slow
+def test_multi_node_slurm_node_lost_mid_run_is_named(slurm_env, tmp_path):
+    """pp2 across two nodes (a rank each); once step 1 is logged every process of node2 is killed
+    (tests/slurm_cluster.py kill_node): the job ends, not hangs, and parakit names node2."""
+    args = [*COMMON, "train.steps=40", "parallel.pp=2", "cluster.nodes=2", "cluster.gpus_per_node=1"]
+    job = Following([*args, "cluster.slurm.partition=debug", f"hydra.run.dir={tmp_path / 'run'}"], slurm_env, tmp_path)
+    job_id = job.job_id()
+    wait_for_step(tmp_path / "run", 1, job)
+    assert kill_node(job_id, "node2")
+    assert job.wait(timeout_s=120) == 1, job.output[-4000:]
+    assert re.search(rf"Slurm job {job_id} ended FAILED.*\n.*node node2 was lost", job.output), job.output[-4000:]
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.slow
+def test_multi_node_two_torchrun_agents_without_slurm_equal_the_one_node_run(tmp_path, uninterrupted):
+    """launch.sh of a 2-node layout, run twice on this machine as on two nodes (no Slurm: c10d
+    rendezvous at MASTER_ADDR): 2 ranks each, the same training as the one-node run, bit for bit."""
+    two_nodes = [o for o in LONG_WITH_DROPOUT if not o.startswith("cluster.gpus_per_node")]
+    generated = training_runs.run(
+        tmp_path, "run", *COMMON, *two_nodes, "cluster.nodes=2", "cluster.gpus_per_node=2", command="generate"
+    )
+    assert generated.returncode == 0, generated.stderr[-3000:]
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RDZV_ID": "two-agents"}
+    env.pop("SLURM_JOB_ID", None)
+    agents = [
+        subprocess.Popen(["bash", str(generated.run_dir / "launch.sh")], env=env, stdout=subprocess.PIPE,
+                         stderr=subprocess.STDOUT, text=True, start_new_session=True)
+        for _ in range(2)
+    ]  # fmt: skip
+    outputs = [agent.communicate(timeout=300)[0] for agent in agents]
+    assert [agent.returncode for agent in agents] == [0, 0], "\n".join(o[-3000:] for o in outputs)
+    assert_same_training(uninterrupted["long"], Trained(generated.run_dir), EXACT)

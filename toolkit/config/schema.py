@@ -366,6 +366,11 @@ class SlurmConfig:
     # null: their own choice.
     socket_ifname: Optional[str] = None
     log_dir: Optional[str] = None  # the job's log and one log per node; null: <run directory>/logs
+    # Preemption: Slurm signals the batch script this many seconds before the time limit
+    # (--signal=B:USR1@S); the ranks stop after their step with a checkpoint and the job requeues
+    # itself (toolkit.train.preemption). null: no signal.
+    signal_before_s: Optional[int] = 300
+    requeue: bool = True  # --requeue: Slurm may requeue the job, and it requeues itself when preempted
 
 
 @dataclass

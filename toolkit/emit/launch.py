@@ -9,6 +9,7 @@ from __future__ import annotations
 from toolkit.config.schema import Config
 from toolkit.plan.backends import backend_of
 from toolkit.plan.layout import Layout
+from toolkit.train.preemption import REQUEST, STOPPED
 
 RDZV_PORT = 29500
 # Megatron-LM's pretrain_gpt.py (core_r0.19.0: argument_utils.gpt_config_from_args, and
@@ -57,6 +58,8 @@ def _sbatch_lines(cfg: Config) -> list[str]:
         *([f"--cpus-per-task={cpus}"] if cpus else []),
         *(f"--{name}={value}" for name in SBATCH_SETTINGS if (value := getattr(slurm, name)) is not None),
         *(["--exclusive"] if slurm.exclusive else []),
+        *([f"--signal=B:USR1@{slurm.signal_before_s}"] if slurm.signal_before_s else []),
+        *(["--requeue"] if slurm.requeue else []),
         *([f"--output={slurm.log_dir}/%x-%j.out", "--open-mode=append"] if slurm.log_dir else []),
         *slurm.extra_sbatch,
     ]
@@ -91,9 +94,11 @@ def _multi_node_body(cfg: Config, restarts: str) -> list[str]:
         '  MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
         '  RDZV_ID="$SLURM_JOB_ID"',
         '  echo "parakit: job $SLURM_JOB_ID on $SLURM_JOB_NODELIST, run directory $RUN_DIR, node logs $LOG_DIR"',
-        '  srun --ntasks-per-node=1 --kill-on-bad-exit=1 --open-mode=append --output="$LOG_DIR/node-%N-%j.log" \\',
+        *_preemption_trap(slurm.requeue),
+        '  srun --ntasks-per-node=1 --kill-on-bad-exit=1 --open-mode=append --output="$LOG_DIR/%x-%j-node%n.log" \\',
         *(f"    {flag} \\" for flag in container),
-        f"    {torchrun}",
+        f"    {torchrun} &",
+        *_wait_and_requeue(slurm.requeue),
         "else",
         f"  # without Slurm: run this script on each of the {c.nodes} nodes, MASTER_ADDR naming the first",
         '  : "${MASTER_ADDR:?without Slurm set MASTER_ADDR to the first node (and the same RDZV_ID on every node)}"',
@@ -101,6 +106,40 @@ def _multi_node_body(cfg: Config, restarts: str) -> list[str]:
         f"  {torchrun}",
         "fi",
     ]
+
+
+def _preemption_trap(requeue: bool) -> list[str]:
+    """Slurm's USR1 (--signal=B:USR1@S) reaches this shell only (torchrun would die of it): ask
+    the ranks to stop after their step with a checkpoint (toolkit.train.preemption)."""
+    then = "; then the job requeues" if requeue else ""
+    return [
+        f'  rm -f "$RUN_DIR/{STOPPED}"',
+        f'  trap \'echo "parakit: USR1 from Slurm: the ranks stop after this step with a checkpoint{then}"; '
+        f'touch "$RUN_DIR/{REQUEST}"\' USR1',
+    ]
+
+
+def _wait_and_requeue(requeue: bool) -> list[str]:
+    """srun runs in the background so that the trap runs at once; a wait the trap cuts short is
+    waited again. Once the ranks stopped for preemption, the job goes back into the queue."""
+    lines = [
+        "  SRUN_PID=$!",
+        "  set +e",
+        "  while :; do",
+        '    wait "$SRUN_PID"; STATUS=$?',
+        '    kill -0 "$SRUN_PID" 2>/dev/null || break  # still running: the trap cut the wait short',
+        "  done",
+        "  set -e",
+    ]
+    if requeue:
+        lines += [
+            f'  if [[ -f "$RUN_DIR/{STOPPED}" ]]; then',
+            f'    echo "parakit: stopped after step $(cat "$RUN_DIR/{STOPPED}") for preemption; requeueing job '
+            '$SLURM_JOB_ID"',
+            '    scontrol requeue "$SLURM_JOB_ID"',
+            "  fi",
+        ]
+    return [*lines, '  exit "$STATUS"']
 
 
 # cluster.slurm fields written as the sbatch option of the same name, when set

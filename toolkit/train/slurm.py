@@ -80,7 +80,7 @@ def submit(cfg: Config, run_dir: Path, detach: bool) -> int:
     job_id = done.stdout.strip().split(";")[0]  # --parsable: "ID" or "ID;CLUSTER"
     print(f"parakit train: submitted Slurm job {job_id}; run directory {run_dir}; logs {logs}", flush=True)
     if detach:
-        print(f"  follow it: squeue -j {job_id}; tail -f {logs}/*-{job_id}*; stop it: scancel {job_id}")
+        print(f"  follow it: squeue -j {job_id}; tail -f {logs}/*-{job_id}[.-]*; stop it: scancel {job_id}")
         return 0
     try:
         state = follow(job_id, logs)
@@ -88,32 +88,74 @@ def submit(cfg: Config, run_dir: Path, detach: bool) -> int:
         print(f"\nparakit train: stopped following; job {job_id} keeps running (scancel {job_id} stops it)")
         return 130
     print(f"parakit train: Slurm job {job_id} ended {state}", flush=True)
-    return 0 if state == "COMPLETED" else 1
+    if state == "COMPLETED":
+        return 0
+    batch_logs = sorted(logs.glob(f"*-{job_id}.out"))
+    if found := what_failed(batch_logs[0].read_text(errors="replace") if batch_logs else ""):
+        print(f"parakit train: {found}", flush=True)
+    return 1
+
+
+def what_failed(batch_log: str) -> str | None:
+    """The node that took the job down, from srun's errors in the batch log: a node Slurm saw
+    fail, else one whose task was killed by a signal (its processes vanished: the node died or
+    was killed), else the first whose task exited with an error (the others follow it, since
+    srun --kill-on-bad-exit ends the step)."""
+    if failed := re.search(r"srun: error: Node failure on (\S+)", batch_log):
+        return f"node {failed.group(1)} was lost: Slurm saw it fail ({failed.group(0)})"
+    tasks = re.findall(r"srun: error: (\S+): tasks? ([\d,-]+): (.+)", batch_log)
+    for node, task, how in tasks:
+        if how.strip() in ("Killed", "Terminated", "Segmentation fault", "Aborted") or "signal" in how:
+            return (
+                f"node {node} was lost: its task {task} was {how.strip().lower()} (its processes vanished); the "
+                "other nodes' ranks stopped with it"
+            )
+    if tasks:
+        node, task, how = tasks[0]
+        return f"node {node} failed first: its task {task} {how.strip()} (its log: the node's log in the log directory)"
+    return None
+
+
+def _job_fields(job_id: str) -> dict[str, str]:
+    out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True)
+    return dict(re.findall(r"(\w+)=(\S+)", out.stdout))
 
 
 def job_state(job_id: str) -> str | None:
     """The job's state as scontrol knows it (for MinJobAge after it ends), None when unknown."""
-    out = subprocess.run(["scontrol", "-o", "show", "job", job_id], capture_output=True, text=True)
-    found = re.search(r"\bJobState=(\S+)", out.stdout)
-    return found.group(1) if found else None
+    return _job_fields(job_id).get("JobState")
+
+
+def _node_names(job_id: str) -> list[str]:
+    """The job's nodes in order: a node log's index (srun --output %n) names one of them."""
+    nodes = _job_fields(job_id).get("NodeList", "")
+    out = subprocess.run(["scontrol", "show", "hostnames", nodes], capture_output=True, text=True)
+    return out.stdout.split()
 
 
 def follow(job_id: str, logs: Path, poll_s: float = 1.0) -> str:
     """Print the job's log lines as they come (a node's log prefixed by the node) until the job
     ends, a requeue included; its final state."""
     read: dict[Path, int] = {}
+    names: list[str] = []
     while True:
         state = job_state(job_id)
         ended = state is None or state in ENDED  # read once more after the end: the last lines
-        for path in sorted(logs.glob(f"*-{job_id}*")):
+        if state == "PENDING":  # (again, when requeued): its nodes may change
+            names = []
+        for path in sorted([*logs.glob(f"*-{job_id}.out"), *logs.glob(f"*-{job_id}-node*.log")]):
             with path.open("rb") as f:
                 f.seek(read.get(path, 0))
                 chunk = f.read()
             whole = chunk if ended else chunk[: chunk.rfind(b"\n") + 1]  # whole lines until the end
             read[path] = read.get(path, 0) + len(whole)
-            node = re.match(rf"node-(.+)-{job_id}\.log$", path.name)
+            prefix = ""
+            if node := re.search(r"-node(\d+)\.log$", path.name):
+                names = names or _node_names(job_id)
+                index = int(node.group(1))
+                prefix = f"[{names[index] if index < len(names) else 'node ' + node.group(1)}] "
             for line in whole.decode(errors="replace").splitlines():
-                print(f"[{node.group(1)}] {line}" if node else line, flush=True)
+                print(prefix + line, flush=True)
         if ended:
             return state or "UNKNOWN (scontrol no longer knows the job)"
         time.sleep(poll_s)
