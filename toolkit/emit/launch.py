@@ -9,9 +9,12 @@ from __future__ import annotations
 from toolkit.config.schema import Config
 from toolkit.plan.backends import backend_of
 from toolkit.plan.layout import Layout
-from toolkit.train.preemption import REQUEST, STOPPED
 
 RDZV_PORT = 29500
+# Preemption (toolkit.train.preemption): the batch shell asks the ranks to stop by writing REQUEST
+# in the run directory; rank 0 writes STOPPED once the checkpoint is published, and the shell requeues.
+REQUEST = "preempt.request"
+STOPPED = "preempted"
 # Megatron-LM's pretrain_gpt.py (core_r0.19.0: argument_utils.gpt_config_from_args, and
 # gpt_builders.gpt_builder) passes --use-rope-scaling on but not --rope-scaling-factor, so its model
 # scales by GPTModelConfig's default factor whatever the flag says.

@@ -14,14 +14,13 @@ from __future__ import annotations
 import signal
 from pathlib import Path
 
-REQUEST = "preempt.request"  # written by launch.sh's USR1 trap (or by hand)
-STOPPED = "preempted"  # written by rank 0 once the checkpoint is published: launch.sh requeues
+import torch
+
+from toolkit.emit.launch import REQUEST, STOPPED  # the file names launch.sh's trap and requeue use
 
 
 class Preemption:
     def __init__(self, run_dir: Path):
-        import torch  # here: launch.sh's generator reads the file names above without torch
-
         self.request, self.stopped_file = run_dir / REQUEST, run_dir / STOPPED
         self.signalled = False
         self.device = "cuda" if torch.distributed.get_backend() == "nccl" else "cpu"  # NCCL: device tensors
@@ -34,16 +33,12 @@ class Preemption:
 
     def requested(self) -> bool:
         """Whether any rank was asked to stop (a collective: every rank calls it after each step)."""
-        import torch
-
         asked = torch.tensor([int(self.signalled or self.request.exists())], device=self.device)
         torch.distributed.all_reduce(asked, op=torch.distributed.ReduceOp.MAX)
         return bool(asked.item())
 
     def stopped(self, step: int, root: Path) -> None:
         """Rank 0, after the checkpoint of `step` is published: mark the run as preempted there."""
-        import torch
-
         if torch.distributed.get_rank() == 0:
             self.request.unlink(missing_ok=True)
             self.stopped_file.write_text(f"{step}\n")
@@ -54,7 +49,5 @@ class Preemption:
 
     def finished(self) -> None:
         """The run reached its last step: a request that came too late to matter is spent."""
-        import torch
-
         if torch.distributed.get_rank() == 0:
             self.request.unlink(missing_ok=True)
