@@ -148,7 +148,7 @@ def corrupt_newest(tmp_path_factory):
 def assert_resumed_before_the_corrupt_checkpoint(run: Trained) -> None:
     assert run.result["resumed_from"] is not None and run.result["resumed_from"].endswith("step_00000002"), run.result
     (unusable,) = run.result["unusable_checkpoints"]
-    assert unusable["checkpoint"] == "step_00000004" and "fails its checksum" in unusable["problem"]
+    assert unusable["checkpoint"] == "step_00000004" and "fails its sha256 checksum" in unusable["problem"]
 
 
 def test_corrupt_newest_checkpoint_is_detected_and_the_previous_one_used(tmp_path, uninterrupted, corrupt_newest):

@@ -78,15 +78,14 @@ def resume_gives_up():
     and the run starts from scratch."""
     from toolkit.train import checkpoint
 
-    def newest_or_nothing(root, report=print, unusable=None):
-        candidates = sorted(root.glob("step_*"), reverse=True) if root.exists() else []
-        problem = checkpoint.verify(candidates[0]) if candidates else "none"
+    def newest_or_nothing(root, level="sha256"):
+        newest = checkpoint._candidates(root)[:1]
+        problem = checkpoint.verify_collectively(newest[0], level) if newest else "none"
         if problem is None:
-            return candidates[0]
-        report(f"checkpoint {candidates[0] if candidates else root} is not usable: {problem}")
-        return None
+            return newest[0], []
+        return None, [{"checkpoint": newest[0].name if newest else str(root), "problem": problem}]
 
-    checkpoint.find_resumable = newest_or_nothing
+    checkpoint.find_collectively = newest_or_nothing
 
 
 MUTATIONS = {

@@ -432,6 +432,14 @@ class DataConfig:
     num_workers: Optional[int] = None
 
 
+class CheckpointVerify(StrEnum):
+    """What a checkpoint's manifest records per file beside its size, and what a resume checks."""
+
+    sha256 = "sha256"  # any change (the default)
+    crc32 = "crc32"  # accidental damage, at about twice the speed
+    size = "size"  # sizes only: reads nothing, catches truncated and missing files
+
+
 @dataclass
 class CheckpointConfig:
     dir: Optional[str] = None  # default: <run directory>/checkpoints
@@ -444,6 +452,8 @@ class CheckpointConfig:
     # (megatron-core's asynchronous dist_checkpointing save); published when the writes are done.
     async_save: bool = False
     resume: bool = True  # continue from the newest good checkpoint in `dir`
+    # Per file: sha256 | crc32 | size (toolkit.train.checkpoint); every rank checksums its share.
+    verify: CheckpointVerify = CheckpointVerify.sha256
     # For the planner's interval rule: the rework one failure may cost at most, and the
     # measured time of one save (estimated from checkpoint size and bandwidth when null).
     acceptable_rework_minutes: float = 30.0

@@ -14,7 +14,7 @@ from toolkit.train import checkpoint as ckpt
 TAG = "state"
 
 
-def save(engine, root: Path, step: int, layout: Layout, keep_last: int, fault) -> float:
+def save(engine, root: Path, step: int, layout: Layout, keep_last: int, fault, verify: str = "sha256") -> float:
     state = {
         "step": step,
         "consumed_samples": step * layout.global_batch,
@@ -24,11 +24,11 @@ def save(engine, root: Path, step: int, layout: Layout, keep_last: int, fault) -
     def write(staging: Path) -> None:  # synchronous: the engine's writes are done when it returns
         engine.save_checkpoint(str(staging), tag=TAG, client_state={"step": step})
 
-    return ckpt.save_collectively(root, step, keep_last, fault, write, state, ckpt.host_rng_state())
+    return ckpt.save_collectively(root, step, keep_last, fault, write, state, ckpt.host_rng_state(), verify)
 
 
-def load(engine, root: Path, layout: Layout) -> ckpt.Resume:
-    directory, unusable = ckpt.find_collectively(root)
+def load(engine, root: Path, layout: Layout, verify: str = "sha256") -> ckpt.Resume:
+    directory, unusable = ckpt.find_collectively(root, verify)
     if directory is None:
         return ckpt.Resume(unusable=unusable)
     _, client = engine.load_checkpoint(str(directory), tag=TAG)

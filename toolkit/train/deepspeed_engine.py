@@ -171,7 +171,7 @@ class EngineSteps:
         self.compute = ComputeTimers()
 
     def load(self, root: Path) -> Resume:
-        return deepspeed_checkpoint.load(self.engine, root, self.layout)
+        return deepspeed_checkpoint.load(self.engine, root, self.layout, self.cfg.checkpoint.verify)
 
     def update(self) -> Update:
         applied = self.engine.was_step_applied()  # False after an fp16 loss-scale overflow
@@ -188,7 +188,8 @@ class EngineSteps:
 
     def save(self, root: Path, step: int) -> float:
         c = self.cfg.checkpoint
-        return deepspeed_checkpoint.save(self.engine, root, step, self.layout, c.keep_last, self.cfg.train.fault)
+        fault = self.cfg.train.fault
+        return deepspeed_checkpoint.save(self.engine, root, step, self.layout, c.keep_last, fault, c.verify)
 
     def settle_saves(self, blocking: bool) -> None:
         pass  # DeepSpeed's save is synchronous

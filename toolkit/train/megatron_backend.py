@@ -124,7 +124,16 @@ def _seed_optimizer_states(optimizer) -> None:
 
 
 def save_checkpoint(
-    root: Path, step: int, chunks, optimizer, scheduler, layout: Layout, keep_last: int, fault, async_queue=None
+    root: Path,
+    step: int,
+    chunks,
+    optimizer,
+    scheduler,
+    layout: Layout,
+    keep_last: int,
+    fault,
+    async_queue=None,
+    verify: str = "sha256",
 ) -> float:
     """A verified checkpoint of `step`; returns the seconds training was held up. With an
     `async_queue` (megatron-core's AsyncCallsQueue) the shards are written by a forked process
@@ -155,14 +164,14 @@ def save_checkpoint(
         "scheduler": scheduler.state_dict(),
         "layout": {"tp": layout.tp, "pp": layout.pp, "vpp": layout.vpp, "dp": layout.dp, "world": layout.world_size},
     }
-    return ckpt.save_collectively(root, step, keep_last, fault, write, state, _rng_state())
+    return ckpt.save_collectively(root, step, keep_last, fault, write, state, _rng_state(), verify)
 
 
-def load_checkpoint(root: Path, chunks, optimizer, scheduler, layout: Layout) -> ckpt.Resume:
+def load_checkpoint(root: Path, chunks, optimizer, scheduler, layout: Layout, verify: str = "sha256") -> ckpt.Resume:
     """Resume from the newest good checkpoint under `root` (any layout)."""
     from megatron.core import dist_checkpointing
 
-    directory, unusable = ckpt.find_collectively(root)
+    directory, unusable = ckpt.find_collectively(root, verify)
     if directory is None:
         return ckpt.Resume(unusable=unusable)
     _seed_optimizer_states(optimizer)
@@ -244,7 +253,8 @@ class MegatronSteps:
         self.iterators = None
 
     def load(self, root: Path) -> ckpt.Resume:
-        return load_checkpoint(root, self.chunks, self.optimizer, self.scheduler, self.layout)
+        verify = self.cfg.checkpoint.verify
+        return load_checkpoint(root, self.chunks, self.optimizer, self.scheduler, self.layout, verify)
 
     def begin_at(self, step: int) -> None:
         # The sampler is indexed by step: a resumed run reads exactly the samples it would have read.
@@ -336,6 +346,7 @@ class MegatronSteps:
             c.keep_last,
             self.cfg.train.fault,
             self.async_queue,
+            c.verify,
         )
 
     def settle_saves(self, blocking: bool) -> None:
