@@ -1,11 +1,12 @@
 """Checkpoints that are never trusted half-written, whatever wrote their contents.
 
-A save goes to `<root>/.step_00000042.partial` (every rank writes its shards there), then rank 0
-lists every file with its size and SHA-256 in manifest.json, renames the directory to
+A save goes to `<root>/.step_00000042.partial` (every rank writes its shards there), then every
+rank checksums its share of the files (checkpoint.verify: SHA-256, CRC-32 or the size alone) and
+rank 0 lists every file with its entry in manifest.json, renames the directory to
 `<root>/step_00000042` (atomic on one filesystem) and points `<root>/latest` at it (written to a
-temporary file and renamed). Only a directory whose manifest matches its files is resumed from;
-a corrupt or unfinished newest checkpoint is reported and the previous good one is used. The
-last `keep_last` published checkpoints are kept.
+temporary file and renamed). Only a directory whose manifest matches its files (checked by every
+rank over its share) is resumed from; a corrupt or unfinished newest checkpoint is reported and
+the previous good one is used. The last `keep_last` published checkpoints are kept.
 """
 
 from __future__ import annotations
