@@ -95,3 +95,29 @@ def test_nan_loss_skips_the_update(tmp_path):
 
 # The planner's save interval is the shared loop's (toolkit.train.save_schedule, driven by
 # toolkit.train.loop for every backend): tests/test_faults_megatron.py runs it once.
+
+
+# fp32: the universal checkpoint holds the fp32 master weights and Adam moments exactly; what moves
+# is the order of the gradient sums (dp 2 -> 4). The defect to catch: optimizer states not carried
+# over (Adam restarting from zero moments moves step 3's update by ~1e-3).
+ANOTHER_LAYOUT = Tolerance(loss=1e-6, grad_norm=1e-5, parameters=1e-6)
+
+
+def test_resume_into_another_zero_stage_and_dp_size_through_a_universal_checkpoint(tmp_path):
+    """ZeRO-1 on 2 ranks saves step 2; ZeRO-2 on 4 ranks (dp 2 -> 4, the same global batch)
+    resumes from it through DeepSpeed's universal checkpoint: steps 3-4 and the final parameters
+    as in the ZeRO-1 run."""
+    import shutil
+
+    reference = Trained(run(tmp_path, "zero1_dp2", "zero=1").run_dir)
+    checkpoints = tmp_path / "checkpoints"
+    shutil.copytree(reference.checkpoints / "step_00000002", checkpoints / "step_00000002")
+    (checkpoints / ckpt.LATEST).write_text("step_00000002\n")
+    four = [o for o in COMMON if not o.startswith("cluster.gpus_per_node")] + ["cluster.gpus_per_node=4"]
+    moved = training_runs.run(tmp_path, "moved", *four, "zero=2", f"checkpoint.dir={checkpoints}")
+    assert moved.returncode == 0, moved.stderr[-3000:]
+    assert "through a universal checkpoint" in moved.stdout, moved.stdout[-3000:]
+    assert "dp 2 -> 4" in moved.stdout and "zero 1 -> 2" in moved.stdout
+    moved = Trained(moved.run_dir)
+    assert moved.result["resumed_step"] == 2
+    assert_same_training(reference.after(2), moved, ANOTHER_LAYOUT)

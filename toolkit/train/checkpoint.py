@@ -25,6 +25,10 @@ MANIFEST = "manifest.json"
 LATEST = "latest"
 
 
+class ResumeError(RuntimeError):
+    """A checkpoint that this run cannot resume from as configured: what and the fix."""
+
+
 @dataclass
 class Resume:
     """Where a run starts: step 0, or the checkpoint it resumed from; and the newer checkpoints

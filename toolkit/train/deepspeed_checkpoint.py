@@ -1,10 +1,21 @@
 """DeepSpeed engine checkpoints inside parakit's verified publishing (toolkit.train.checkpoint):
 the engine writes model, optimizer (ZeRO partitions), LR scheduler and its client state into the
-staging directory, each rank adds its random states, rank 0 publishes."""
+staging directory, each rank adds its random states, rank 0 publishes.
+
+A checkpoint saved with another ZeRO stage or data-parallel size is resumed through DeepSpeed's
+universal checkpoint (Lian et al. 2024, "Universal Checkpointing", arXiv:2406.18820): rank 0
+converts it once with deepspeed.checkpoint.ds_to_universal into `<root>/.universal/step_N`
+(staged and renamed, so a half-converted copy is never read), and every rank loads that with
+the engine's load_universal switch on: the fp32 master weights and Adam moments are
+re-partitioned for the new layout.
+"""
 
 from __future__ import annotations
 
+import json
+import shutil
 from pathlib import Path
+from types import SimpleNamespace
 
 import torch
 
@@ -12,13 +23,18 @@ from toolkit.plan.layout import Layout
 from toolkit.train import checkpoint as ckpt
 
 TAG = "state"
+UNIVERSAL = ".universal"
+
+
+def _layout_record(layout: Layout, zero_stage: int) -> dict:
+    return {"pp": layout.pp, "dp": layout.dp, "world": layout.world_size, "zero": zero_stage}
 
 
 def save(engine, root: Path, step: int, layout: Layout, keep_last: int, fault, verify: str = "sha256") -> float:
     state = {
         "step": step,
         "consumed_samples": step * layout.global_batch,
-        "layout": {"pp": layout.pp, "dp": layout.dp, "world": layout.world_size},
+        "layout": _layout_record(layout, engine.zero_optimization_stage()),
     }
 
     def write(staging: Path) -> None:  # synchronous: the engine's writes are done when it returns
@@ -27,14 +43,63 @@ def save(engine, root: Path, step: int, layout: Layout, keep_last: int, fault, v
     return ckpt.save_collectively(root, step, keep_last, fault, write, state, ckpt.host_rng_state(), verify)
 
 
+def _universal(directory: Path) -> Path:
+    """(rank 0) The checkpoint converted to DeepSpeed's universal format, once."""
+    from deepspeed.checkpoint import ds_to_universal
+
+    target = directory.parent / UNIVERSAL / directory.name
+    if not (target / TAG).is_dir():
+        staging = target.with_name(f".{target.name}.partial")
+        shutil.rmtree(staging, ignore_errors=True)
+        args = SimpleNamespace(
+            input_folder=str(directory / TAG),
+            output_folder=str(staging / TAG),
+            num_extract_workers=1,
+            num_merge_workers=1,
+            keep_temp_folder=False,
+            strict=True,
+            inject_missing_state=True,  # a plain (non-Megatron) module: no tp/pp slicing patterns to merge
+        )
+        ds_to_universal.main(args)
+        shutil.rmtree(target, ignore_errors=True)
+        staging.rename(target)
+    return target
+
+
 def load(engine, root: Path, layout: Layout, verify: str = "sha256") -> ckpt.Resume:
     directory, unusable = ckpt.find_collectively(root, verify)
     if directory is None:
         return ckpt.Resume(unusable=unusable)
-    _, client = engine.load_checkpoint(str(directory), tag=TAG)
+    saved = json.loads((directory / "trainer_state.json").read_text())["layout"]
+    now = _layout_record(layout, engine.zero_optimization_stage())
+    if all(saved.get(key, now[key]) == now[key] for key in now):
+        _, client = engine.load_checkpoint(str(directory), tag=TAG)
+    else:
+        client = _load_universal(engine, directory, saved, now)
     rng = ckpt.saved_rng_state(directory, layout.world_size)
     if rng is not None:
         ckpt.set_host_rng_state(rng)
     if torch.distributed.get_rank() == 0:
         print(f"resumed from {directory} at step {client['step']}", flush=True)
     return ckpt.Resume(int(client["step"]), str(directory), unusable)
+
+
+def _load_universal(engine, directory: Path, saved: dict, now: dict) -> dict:
+    if saved["pp"] > 1 or now["pp"] > 1:
+        raise ckpt.ResumeError(
+            f"checkpoint {directory} was saved as {saved} and this run is {now}: DeepSpeed's pipeline engine "
+            "resumes only into its own layout; keep parallel.pp, data-parallel size and ZeRO stage as saved"
+        )
+    if torch.distributed.get_rank() == 0:
+        changed = ", ".join(f"{k} {saved.get(k)} -> {now[k]}" for k in now if saved.get(k) != now[k])
+        print(f"resuming {directory} into another layout ({changed}) through a universal checkpoint", flush=True)
+        converted = [str(_universal(directory))]
+    else:
+        converted = [None]
+    torch.distributed.broadcast_object_list(converted, src=0)
+    engine._config.load_universal_checkpoint = True  # read by load_checkpoint alone (DeepSpeed's engine.py)
+    try:
+        _, client = engine.load_checkpoint(converted[0], tag=TAG)
+    finally:
+        engine._config.load_universal_checkpoint = False
+    return client

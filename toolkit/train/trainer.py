@@ -67,13 +67,15 @@ def run(cfg: Config, run_dir: Path) -> list[float]:
 
 
 def run_to_exit_code(cfg: Config, run_dir: Path) -> int:
-    """Train; a non-finite loss that stops the run (train.fault.nan_action=stop), or Hugging Face
-    weights that do not fit the model, are reported in one line, not as a traceback: 1."""
+    """Train; a non-finite loss that stops the run (train.fault.nan_action=stop), Hugging Face
+    weights that do not fit the model, or a checkpoint this layout cannot resume from, are
+    reported in one line, not as a traceback: 1."""
     from toolkit.interop.hf_arch import HfConfigError
+    from toolkit.train.checkpoint import ResumeError
 
     try:
         run(cfg, run_dir)
-    except (FloatingPointError, HfConfigError) as error:  # a bad model.hf_path: what and the fix
+    except (FloatingPointError, HfConfigError, ResumeError) as error:  # what and the fix
         print(f"parakit train: {error}", file=sys.stderr, flush=True)
         return 1
     return 0
