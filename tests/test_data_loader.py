@@ -76,3 +76,32 @@ def test_making_batches_leaves_the_global_random_state_alone(compose):
     for workers in (0, 2):
         next(micro_batches(Numbered(), layout, 0, workers=workers))
     assert torch.equal(torch.rand(3), expected)
+
+
+def test_multi_node_corpus_preparers_sharing_a_cache_write_it_once(tmp_path, monkeypatch):
+    """Each node's local rank 0 prepares the bundled corpus (toolkit.train.data); nodes sharing a
+    filesystem share the cache: four concurrent preparers (threads here, flock excludes them as it
+    excludes processes on other nodes) write it once, and every one returns the published prefix."""
+    import threading
+    import time
+
+    from toolkit.data.manifest import manifest_path
+    from toolkit.train import corpus
+
+    monkeypatch.setattr(corpus, "CACHE", tmp_path)
+    writes = []
+
+    def slow_write(prefix, progress):  # the tokenization, made slow enough for the others to arrive
+        writes.append(threading.get_ident())
+        time.sleep(0.3)
+        prefix.parent.mkdir(parents=True, exist_ok=True)
+        manifest_path(prefix).write_text("{}")
+
+    monkeypatch.setattr(corpus, "_write_corpus", slow_write)
+    prefixes = []
+    workers = [threading.Thread(target=lambda: prefixes.append(corpus.prepare_corpus())) for _ in range(4)]
+    for w in workers:
+        w.start()
+    for w in workers:
+        w.join()
+    assert len(writes) == 1 and prefixes == [corpus.corpus_prefix()] * 4

@@ -16,6 +16,7 @@ import importlib.util
 import json
 import os
 import shutil
+import threading
 from pathlib import Path
 
 
@@ -44,25 +45,24 @@ def _package_file(package: str, relative: str) -> Path:
     return path
 
 
-_LOCK_HELD = False
+_HOLDING = threading.local()  # this thread holds the cache lock (preparing the corpus copies the tokenizer)
 
 
 @contextlib.contextmanager
 def _cache_lock():
     """One writer at a time in the cache: the local rank 0 of every node prepares the corpus, and
     nodes that share a filesystem share the cache (flock works across NFS clients too)."""
-    global _LOCK_HELD
-    if _LOCK_HELD:  # preparing the corpus copies the tokenizer files: the lock is ours already
+    if getattr(_HOLDING, "lock", False):
         yield
         return
     CACHE.mkdir(parents=True, exist_ok=True)
     with open(CACHE / ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
-        _LOCK_HELD = True
+        _HOLDING.lock = True
         try:
             yield
         finally:
-            _LOCK_HELD = False
+            _HOLDING.lock = False
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
