@@ -271,3 +271,30 @@ def test_multi_node_train_dry_run_prints_the_batch_script_and_without_slurm_says
     assert no_slurm.returncode == 2 and "2 nodes need Slurm, and this machine has no sbatch" in no_slurm.stderr
     hint = f"MASTER_ADDR=<first node's address> RDZV_ID=<any id, the same on every node> {tmp_path / 'none'}/launch.sh"
     assert hint in no_slurm.stderr
+
+
+def test_multi_node_train_detach_submits_launch_sh_from_the_run_directory(tmp_path):
+    """A stand-in sbatch records how it was called: from the run directory, with the job's log in
+    its logs/ (created first: Slurm does not create it), on launch.sh; --detach returns at once."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    (bin_dir / "sbatch").write_text(f'#!/bin/sh\necho "$PWD $*" > {tmp_path}/called\necho "4242;lab"\n')
+    (bin_dir / "sbatch").chmod(0o755)
+    env = {**os.environ, "PATH": f"{bin_dir}:{os.environ['PATH']}"}
+    two_nodes = ["model=tiny", "data=synthetic", "cluster.nodes=2", "cluster.gpus_per_node=2", "train.global_batch=8"]
+    run_dir = tmp_path / "run"
+    done = subprocess.run(
+        [sys.executable, "-m", "toolkit.cli", "train", "--detach", *two_nodes, f"hydra.run.dir={run_dir}"],
+        cwd=tmp_path, capture_output=True, text=True, timeout=120, env=env,
+    )  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    assert f"submitted Slurm job 4242; run directory {run_dir}; logs {run_dir / 'logs'}" in done.stdout
+    assert "scancel 4242" in done.stdout and (run_dir / "logs").is_dir()
+    called = (tmp_path / "called").read_text().split()
+    assert called == [
+        str(run_dir),
+        "--parsable",
+        f"--output={run_dir}/logs/%x-%j.out",
+        "--open-mode=append",
+        f"{run_dir}/launch.sh",
+    ]
