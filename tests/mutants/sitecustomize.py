@@ -50,8 +50,8 @@ def scheduler_state_dropped():
 
     load = megatron_backend.load_checkpoint
 
-    def load_without_scheduler(root, chunks, optimizer, scheduler, layout):
-        return load(root, chunks, optimizer, SimpleNamespace(load_state_dict=lambda state: None), layout)
+    def load_without_scheduler(root, chunks, optimizer, scheduler, layout, *rest):
+        return load(root, chunks, optimizer, SimpleNamespace(load_state_dict=lambda state: None), layout, *rest)
 
     megatron_backend.load_checkpoint = load_without_scheduler
 
