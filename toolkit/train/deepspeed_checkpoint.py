@@ -7,7 +7,8 @@ universal checkpoint (Lian et al. 2024, "Universal Checkpointing", arXiv:2406.18
 converts it once with deepspeed.checkpoint.ds_to_universal into `<root>/.universal/step_N`
 (staged and renamed, so a half-converted copy is never read), and every rank loads that with
 the engine's load_universal switch on: the fp32 master weights and Adam moments are
-re-partitioned for the new layout.
+re-partitioned for the new layout. ZeRO stages 0-2 without a pipeline; other changes are refused
+with what to keep.
 """
 
 from __future__ import annotations
@@ -85,10 +86,13 @@ def load(engine, root: Path, layout: Layout, verify: str = "sha256") -> ckpt.Res
 
 
 def _load_universal(engine, directory: Path, saved: dict, now: dict) -> dict:
-    if saved["pp"] > 1 or now["pp"] > 1:
+    if saved["pp"] > 1 or now["pp"] > 1 or 3 in (saved.get("zero"), now["zero"]):
+        # the pipeline engine has no universal load; ds_to_universal's ZeRO-3 output fails to load
+        # (DeepSpeed 0.19.8, measured): refuse before touching the engine
         raise ckpt.ResumeError(
-            f"checkpoint {directory} was saved as {saved} and this run is {now}: DeepSpeed's pipeline engine "
-            "resumes only into its own layout; keep parallel.pp, data-parallel size and ZeRO stage as saved"
+            f"checkpoint {directory} was saved as {saved} and this run is {now}: a DeepSpeed run resumes into "
+            "another layout only between ZeRO stages 0-2 without a pipeline; resume with the layout it was saved "
+            "with (parallel.pp, the number of ranks, zero)"
         )
     if torch.distributed.get_rank() == 0:
         changed = ", ".join(f"{k} {saved.get(k)} -> {now[k]}" for k in now if saved.get(k) != now[k])
