@@ -98,14 +98,14 @@ def test_nan_loss_skips_the_update(tmp_path):
 
 
 # fp32: the universal checkpoint carries the fp32 master weights and Adam moments exactly; only the
-# order of the gradient sums changes with dp 2 -> 4 (measured: equal losses at steps 3-4). The
+# order of the gradient sums changes with dp 2 -> 1 (measured: equal losses at steps 3-4). The
 # defect to catch: Adam's moments lost on the way (cleared after the load: step 4's loss moves by
 # 2.4e-4). ZeRO-3 checkpoints are not covered: ds_to_universal's ZeRO-3 output does not load here.
 ANOTHER_LAYOUT = Tolerance(loss=1e-6, grad_norm=1e-5, parameters=1e-6)
 
 
 def test_resume_into_another_zero_stage_and_dp_size_through_a_universal_checkpoint(tmp_path):
-    """ZeRO-1 on 2 ranks saves step 2; ZeRO-2 on 4 ranks (dp 2 -> 4, the same global batch)
+    """ZeRO-1 on 2 ranks saves step 2; ZeRO-2 on one rank (dp 2 -> 1, the same global batch)
     resumes from it through DeepSpeed's universal checkpoint: steps 3-4 and the final parameters
     as in the ZeRO-1 run."""
     import shutil
@@ -114,11 +114,11 @@ def test_resume_into_another_zero_stage_and_dp_size_through_a_universal_checkpoi
     checkpoints = tmp_path / "checkpoints"
     shutil.copytree(reference.checkpoints / "step_00000002", checkpoints / "step_00000002")
     (checkpoints / ckpt.LATEST).write_text("step_00000002\n")
-    four = [o for o in COMMON if not o.startswith("cluster.gpus_per_node")] + ["cluster.gpus_per_node=4"]
-    moved = training_runs.run(tmp_path, "moved", *four, "zero=2", f"checkpoint.dir={checkpoints}")
+    one = [o for o in COMMON if not o.startswith("cluster.gpus_per_node")] + ["cluster.gpus_per_node=1"]
+    moved = training_runs.run(tmp_path, "moved", *one, "zero=2", f"checkpoint.dir={checkpoints}")
     assert moved.returncode == 0, moved.stderr[-3000:]
     assert "through a universal checkpoint" in moved.stdout, moved.stdout[-3000:]
-    assert "dp 2 -> 4" in moved.stdout and "zero 1 -> 2" in moved.stdout
+    assert "dp 2 -> 1" in moved.stdout and "zero 1 -> 2" in moved.stdout
     moved = Trained(moved.run_dir)
     assert moved.result["resumed_step"] == 2
     assert_same_training(reference.after(2), moved, ANOTHER_LAYOUT)

@@ -292,11 +292,10 @@ def _free_port() -> int:
 
 @pytest.mark.slow
 def test_multi_node_two_torchrun_agents_without_slurm_equal_the_one_node_run(tmp_path, uninterrupted):
-    """launch.sh of a 2-node layout, run twice on this machine as on two nodes (no Slurm: c10d
-    rendezvous at MASTER_ADDR): 2 ranks each, the same training as the one-node run, bit for bit."""
-    two_nodes = [o for o in LONG_WITH_DROPOUT if not o.startswith("cluster.gpus_per_node")]
+    """launch.sh of pp2 over 2 nodes, run twice on this machine as on two nodes (no Slurm: c10d
+    rendezvous at MASTER_ADDR): a rank each, the same training as the one-node pp2 run, bit for bit."""
     generated = training_runs.run(
-        tmp_path, "run", *COMMON, *two_nodes, "cluster.nodes=2", "cluster.gpus_per_node=2", command="generate"
+        tmp_path, "run", *COMMON, "parallel.pp=2", "cluster.nodes=2", "cluster.gpus_per_node=1", command="generate"
     )
     assert generated.returncode == 0, generated.stderr[-3000:]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RDZV_ID": "two-agents"}
@@ -313,4 +312,4 @@ def test_multi_node_two_torchrun_agents_without_slurm_equal_the_one_node_run(tmp
             if agent.poll() is None:
                 os.killpg(agent.pid, 9)
     assert [agent.returncode for agent in agents] == [0, 0], "\n".join(o[-3000:] for o in outputs)
-    assert_same_training(uninterrupted["long"], Trained(generated.run_dir), EXACT)
+    assert_same_training(uninterrupted["pp2"], Trained(generated.run_dir), EXACT)
