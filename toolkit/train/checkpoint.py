@@ -164,11 +164,14 @@ def _candidates(root: Path) -> list[Path]:
     return candidates
 
 
-def find_resumable(root: Path, report=print, unusable: list | None = None) -> Path | None:
-    """The newest checkpoint that verifies: `latest` first, then older ones, newest first. Each
-    one passed over is reported and, with `unusable`, listed there ({"checkpoint", "problem"})."""
-    for candidate in _candidates(root):
-        problem = verify(candidate)
+def find_resumable(
+    root: Path, report=print, unusable: list | None = None, candidates: list[Path] | None = None, check=verify
+) -> Path | None:
+    """The newest checkpoint that verifies (`check`): `latest` first, then older ones, newest
+    first (or `candidates`). Each one passed over is reported and, with `unusable`, listed there
+    ({"checkpoint", "problem"})."""
+    for candidate in _candidates(root) if candidates is None else candidates:
+        problem = check(candidate)
         if problem is None:
             return candidate
         report(f"checkpoint {candidate} is not usable: {problem}; trying an older one")
@@ -307,17 +310,18 @@ def find_collectively(root: Path, level: str = "sha256") -> tuple[Path | None, l
 
     import torch
 
-    listing = [[str(c) for c in _candidates(root)] if torch.distributed.get_rank() == 0 else None]
+    rank0 = torch.distributed.get_rank() == 0
+    listing = [[str(c) for c in _candidates(root)] if rank0 else None]
     torch.distributed.broadcast_object_list(listing, src=0)
     unusable = []
-    for candidate in map(Path, listing[0]):
-        problem = verify_collectively(candidate, level)
-        if problem is None:
-            return candidate, unusable
-        if torch.distributed.get_rank() == 0:
-            print(f"checkpoint {candidate} is not usable: {problem}; trying an older one", file=sys.stderr, flush=True)
-        unusable.append({"checkpoint": candidate.name, "problem": problem})
-    return None, unusable
+    found = find_resumable(
+        root,
+        report=lambda message: rank0 and print(message, file=sys.stderr, flush=True),
+        unusable=unusable,
+        candidates=[Path(c) for c in listing[0]],
+        check=lambda candidate: verify_collectively(candidate, level),
+    )
+    return found, unusable
 
 
 def saved_rng_state(directory: Path, world_size: int):
