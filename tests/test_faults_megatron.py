@@ -291,11 +291,23 @@ def _free_port() -> int:
 
 
 @pytest.mark.slow
-def test_multi_node_two_torchrun_agents_without_slurm_equal_the_one_node_run(tmp_path, uninterrupted):
+def test_multi_node_two_torchrun_agents_without_slurm_restart_and_equal_the_one_node_run(tmp_path, uninterrupted):
     """launch.sh of pp2 over 2 nodes, run twice on this machine as on two nodes (no Slurm: c10d
-    rendezvous at MASTER_ADDR): a rank each, the same training as the one-node pp2 run, bit for bit."""
+    rendezvous at MASTER_ADDR), a rank each; the second node's rank dies at step 3 and both agents
+    restart (max_restarts=1) from step 2: the same training as the one-node pp2 run, bit for bit.
+    (Each agent counts its own restarts: without a fresh store per attempt the restarted ranks met
+    under different attempts' keys and hung.)"""
     generated = training_runs.run(
-        tmp_path, "run", *COMMON, "parallel.pp=2", "cluster.nodes=2", "cluster.gpus_per_node=1", command="generate"
+        tmp_path,
+        "run",
+        *COMMON,
+        "parallel.pp=2",
+        "cluster.nodes=2",
+        "cluster.gpus_per_node=1",
+        "train.fault.kill_rank=1",
+        "train.fault.kill_at_step=3",
+        "train.fault.max_restarts=1",
+        command="generate",
     )
     assert generated.returncode == 0, generated.stderr[-3000:]
     env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RDZV_ID": "two-agents"}
@@ -312,4 +324,6 @@ def test_multi_node_two_torchrun_agents_without_slurm_equal_the_one_node_run(tmp
             if agent.poll() is None:
                 os.killpg(agent.pid, 9)
     assert [agent.returncode for agent in agents] == [0, 0], "\n".join(o[-3000:] for o in outputs)
-    assert_same_training(uninterrupted["pp2"], Trained(generated.run_dir), EXACT)
+    restarted = Trained(generated.run_dir)
+    assert restarted.result["restarts"] == 1 and restarted.result["resumed_from"].endswith("step_00000002")
+    assert_same_training(uninterrupted["pp2"], restarted, EXACT)

@@ -11,6 +11,10 @@ from toolkit.plan.backends import backend_of
 from toolkit.plan.layout import Layout
 
 RDZV_PORT = 29500
+# Every torchrun agent counts its own restarts, so after a restart the ranks of different nodes can
+# meet in the store the agents share under different attempts' keys, or read a dead rank's address
+# there, and hang or fail (pytorch#135712): each rendezvous round gets a fresh store instead.
+TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
 # Preemption (toolkit.train.preemption): the batch shell asks the ranks to stop by writing REQUEST
 # in the run directory; rank 0 writes STOPPED once the checkpoint is published, and the shell requeues.
 REQUEST = "preempt.request"
@@ -178,6 +182,7 @@ def launch_script(cfg: Config, layout: Layout) -> str:
     else:
         body.append('RUN_DIR="${PARAKIT_RUN_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)}"')
     body.append("export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}")
+    body.append(f"export {' '.join(f'{k}={v}' for k, v in TORCHRUN_ENV.items())}  # a fresh store per restart")
     if c.device == "cpu":
         body.append("export DS_ACCELERATOR=cpu  # gloo on CPU")
     else:

@@ -197,11 +197,9 @@ def _status(returncode: int | None, log_tail: str) -> str:
 def _train(cfg: Config, layout: Layout, run_dir: Path, timeout_s: float) -> tuple[int | None, str]:
     """Train the point in its own process group (torchrun for every world size: a crash or a
     hang stays there); (exit code or None on timeout, the log's last lines)."""
-    from toolkit.train.launch import torchrun_command
+    from toolkit.train.launch import torchrun_command, torchrun_env
 
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
-    if cfg.cluster.device == "cpu":
-        env["DS_ACCELERATOR"] = "cpu"
+    env = torchrun_env(cfg)
     command = torchrun_command(layout, run_dir, layout.world_size, cfg.train.fault.max_restarts)
     log = run_dir / "train.log"
     with open(log, "w") as out:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import sys
 from datetime import timedelta
 
 import torch
@@ -13,8 +14,8 @@ TIMEOUT = timedelta(seconds=float(os.environ.get("PARAKIT_DIST_TIMEOUT_S", 600))
 
 
 def init_process_group() -> None:
-    """NCCL on GPUs, gloo on CPU. After a torchrun restart, gloo cannot form its mesh through the
-    agent's store again (peers are refused): each attempt then meets on a store of its own."""
+    """NCCL on GPUs, gloo on CPU, meeting in the store torchrun hands each attempt (a fresh one
+    per restart: toolkit.emit.launch.TORCHRUN_ENV)."""
     if torch.distributed.is_initialized():
         return
     if "RANK" not in os.environ:  # a single process outside torchrun
@@ -27,16 +28,16 @@ def init_process_group() -> None:
         )
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
+    if restarted and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+        print(
+            "parakit: restarted ranks meet in the store torchrun's agents share, where peers' old addresses "
+            "can hang them; set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun (launch.sh does)",
+            file=sys.stderr,
+            flush=True,
+        )
     backend = "nccl" if torch.cuda.is_available() else "gloo"
-    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-    if attempt == 0:
-        torch.distributed.init_process_group(backend, timeout=TIMEOUT)
-        return
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    store = torch.distributed.TCPStore(
-        os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]) + 100 + attempt, world, is_master=rank == 0
-    )
-    torch.distributed.init_process_group(backend, store=store, rank=rank, world_size=world, timeout=TIMEOUT)
+    torch.distributed.init_process_group(backend, timeout=TIMEOUT)
 
 
 def end_process_group() -> None:

@@ -14,6 +14,7 @@ import sys
 from pathlib import Path
 
 from toolkit.config.schema import Config
+from toolkit.emit.launch import TORCHRUN_ENV
 from toolkit.plan.layout import Layout
 
 
@@ -38,6 +39,15 @@ def torchrun_command(layout: Layout, run_dir: Path, nproc: int, max_restarts: in
     ]
 
 
+def torchrun_env(cfg: Config) -> dict[str, str]:
+    """The environment torchrun runs in, as launch.sh sets it."""
+    env = {**os.environ, **TORCHRUN_ENV}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    if cfg.cluster.device == "cpu":
+        env["DS_ACCELERATOR"] = "cpu"
+    return env
+
+
 def train_here(cfg: Config, layout: Layout, run_dir: Path, detach: bool = False) -> int:
     """One node: the ranks run here (this process, or torchrun's). Several: a Slurm job
     (toolkit.train.slurm) that `detach` leaves running instead of following its logs."""
@@ -50,10 +60,7 @@ def train_here(cfg: Config, layout: Layout, run_dir: Path, detach: bool = False)
 
         quiet_upstream_notices()
         return run_to_exit_code(cfg, run_dir)
-    env = dict(os.environ)
-    env.setdefault("OMP_NUM_THREADS", "1")
-    if cfg.cluster.device == "cpu":
-        env["DS_ACCELERATOR"] = "cpu"
+    env = torchrun_env(cfg)
     print(f"parakit train: starting {layout.world_size} ranks with torchrun", flush=True)
     command = torchrun_command(layout, run_dir, layout.world_size, cfg.train.fault.max_restarts)
     # A session of its own: when torchrun is done, whatever its ranks left behind (e.g. the

@@ -162,6 +162,7 @@ class Metrics:
         if ranks:
             summary |= {
                 "ranks": ranks,
+                "restarts": max(r["restarts"] for r in ranks),  # the node whose agent restarted most
                 "stage_times_s": stage_times(ranks, self.layout.pp),
                 "tensor_peak_gib": _max_of(ranks, "tensor_peak_gib"),
                 "peak_rss_gib": _max_of(ranks, "peak_rss_gib"),

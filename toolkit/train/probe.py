@@ -19,6 +19,7 @@ from contextlib import contextmanager
 import torch
 
 from toolkit.plan.memory import GIB
+from toolkit.train.faults import restart_count
 
 # Start-up and the first steps (which allocate the optimizer state) are profiled: after them a
 # step holds what every later step holds. Sweeps leave as many warm-up steps out of their timing.
@@ -123,7 +124,13 @@ def gather_ranks(compute_s: list[float], memory: MemoryProbe, world_size: int, p
     tp-cp-ep-dp-pp; DeepSpeed's PipeDataParallelTopology axes pipe, data): a rank's stage is
     rank // (world / pp)."""
     rank = torch.distributed.get_rank()
-    mine = {"rank": rank, "stage": rank // (world_size // pp), "compute_s": compute_s, **memory.peaks()}
+    mine = {
+        "rank": rank,
+        "stage": rank // (world_size // pp),
+        "compute_s": compute_s,
+        "restarts": restart_count(),  # per node: each torchrun agent counts its own
+        **memory.peaks(),
+    }
     everyone = [None] * world_size if rank == 0 else None
     torch.distributed.gather_object(mine, everyone, dst=0)
     return everyone
