@@ -31,6 +31,17 @@ def no_processes_left_behind(tmp_path):
 
 
 @pytest.fixture(scope="session")
+def deepspeed_zero1_dp2(tmp_path_factory):
+    """DeepSpeed ZeRO-1 on 2 ranks, checkpoints at steps 2 and 4: one run for the layout parity
+    test (tests/test_train_deepspeed.py) and the universal-checkpoint resume it saves step 2 for
+    (tests/test_faults_deepspeed.py)."""
+    from training_runs import DEEPSPEED_SHORT, trained
+
+    overrides = ["cluster.gpus_per_node=2", "zero=1", "checkpoint.interval_steps=2"]
+    return trained(tmp_path_factory.mktemp("zero1_dp2"), "zero1_dp2", *DEEPSPEED_SHORT, *overrides)
+
+
+@pytest.fixture(scope="session")
 def corpus_jsonl(tmp_path_factory):
     """The bundled corpus as a 4 MB jsonl file, one chapter per line."""
     from data_corpus import write_corpus_jsonl

@@ -4,7 +4,11 @@ MegatronPretrainingSampler with any number of loader workers, and from any step 
 from __future__ import annotations
 
 import itertools
+import json
 import re
+import subprocess
+import sys
+import textwrap
 
 import torch
 
@@ -105,3 +109,57 @@ def test_multi_node_corpus_preparers_sharing_a_cache_write_it_once(tmp_path, mon
     for w in workers:
         w.join()
     assert len(writes) == 1 and prefixes == [corpus.corpus_prefix()] * 4
+
+
+_NODES_WITHOUT_SHARED_FILES = textwrap.dedent("""
+    import json, os, sys
+    from pathlib import Path
+    import torch
+    import torch.multiprocessing as mp
+
+    def rank_main(rank, tmp):
+        os.environ.update(LOCAL_RANK="0", RANK=str(rank), WORLD_SIZE="2")  # each rank its node's first
+        store = torch.distributed.FileStore(f"{tmp}/store", 2)
+        torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=2)
+        from toolkit.config.store import compose_config
+        from toolkit.plan.layout import resolve
+        from toolkit.train import data
+
+        cfg = compose_config(["data=corpus", "cluster.gpus_per_node=2", "train.steps=2", "train.eval_interval=null"])
+        seen = {}
+        check = data.index_cache
+        for case, directory in (("shared", "index"), ("own", f"index-node{rank}")):
+            data.index_cache = lambda _: seen.setdefault(case, check(Path(tmp) / directory))
+            train = data.build_datasets(cfg, resolve(cfg)).train
+            tokens = [None, None]
+            torch.distributed.all_gather_object(tokens, [train[i]["tokens"].tolist() for i in range(4)])
+            seen[case + " samples equal"] = tokens[0] == tokens[1]
+            seen[case + " files"] = sorted(p.name for p in (Path(tmp) / directory).iterdir())
+        print("RESULT", json.dumps(seen), flush=True)
+
+    if __name__ == "__main__":
+        mp.spawn(rank_main, args=(sys.argv[1],), nprocs=2)
+""")
+
+
+def test_multi_node_sample_indices_without_a_shared_filesystem(tmp_path):
+    """megatron-core builds the sample indices on global rank 0 and the other ranks read its files:
+    on nodes without a shared filesystem they are missing there. toolkit.train.data checks that
+    every rank sees rank 0's files: in a shared directory they are cached once (and the probe file
+    is gone again); in a directory of each node's own (two ranks given two) every rank builds them
+    in memory and both read the same samples."""
+    script = tmp_path / "nodes.py"
+    script.write_text(_NODES_WITHOUT_SHARED_FILES)
+    result = subprocess.run(
+        [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300
+    )  # fmt: skip
+    assert result.returncode == 0, result.stderr[-3000:]
+    ranks = [json.loads(line.split(maxsplit=1)[1]) for line in result.stdout.splitlines() if line.startswith("RESULT")]
+    assert len(ranks) == 2, result.stdout
+    for seen in ranks:
+        assert seen["shared"] == str(tmp_path / "index") and seen["own"] == "", seen
+        assert seen["shared samples equal"] and seen["own samples equal"], seen
+        assert any(name.endswith("sample_index.npy") for name in seen["shared files"]), seen
+        assert not [name for name in seen["shared files"] if name.startswith(".shared-")], seen
+        assert seen["own files"] == [], seen  # nothing written to or expected from a node's own cache
+    assert "not shared by every node" in result.stdout

@@ -19,6 +19,7 @@ from training_runs import (
     AUTO_INTERVAL,
     Tolerance,
     Trained,
+    assert_same_steps,
     assert_same_training,
     check_planned_interval,
     losses,
@@ -48,6 +49,7 @@ PP2 = ["cluster.gpus_per_node=2", "parallel.pp=2"]
 # Six steps with dropout: a resume that restores the weights but not the random state, the data
 # position or the schedule shows in the steps after it.
 LONG_WITH_DROPOUT = [*TP2_PP2_VPP2, "model.hidden_dropout=0.1", "model.attention_dropout=0.1"]
+STOP_AT_3 = "train.stop_after_steps=3"
 EXACT = Tolerance(loss=0.0, grad_norm=0.0, parameters=0.0)  # a resume at the same layout is bit for bit
 ANOTHER_LAYOUT = Tolerance(loss=4e-6, grad_norm=1e-4, parameters=1e-6)  # as the layout parity tests
 
@@ -93,18 +95,20 @@ def test_stopped_run_resumes_exactly_with_its_random_state(tmp_path, uninterrupt
     assert_same_training(uninterrupted["long"], again, EXACT)  # steps 1-2 from before the kill, 3-6 resumed
 
 
+# The resumed mutants stop after step 3 (the first resumed step, where both defects show; the
+# unmutated resume above matches through step 6).
 @pytest.mark.mutation
 def test_resume_catches_a_dropped_scheduler_state(tmp_path, uninterrupted, killed_at_step_3):
-    again = resumed(tmp_path, killed_at_step_3, *LONG_WITH_DROPOUT, mutation="scheduler_state_dropped")
+    again = resumed(tmp_path, killed_at_step_3, *LONG_WITH_DROPOUT, STOP_AT_3, mutation="scheduler_state_dropped")
     with pytest.raises(AssertionError, match="lr"):
-        assert_same_training(uninterrupted["long"], again, EXACT)
+        assert_same_steps(uninterrupted["long"].through(3), again, EXACT)
 
 
 @pytest.mark.mutation
 def test_resume_catches_a_random_state_not_restored(tmp_path, uninterrupted, killed_at_step_3):
-    again = resumed(tmp_path, killed_at_step_3, *LONG_WITH_DROPOUT, mutation="random_state_not_restored")
+    again = resumed(tmp_path, killed_at_step_3, *LONG_WITH_DROPOUT, STOP_AT_3, mutation="random_state_not_restored")
     with pytest.raises(AssertionError, match="loss"):  # other dropout masks from step 3 on
-        assert_same_training(uninterrupted["long"], again, EXACT)
+        assert_same_steps(uninterrupted["long"].through(3), again, EXACT)
 
 
 def test_resume_into_another_layout(tmp_path, uninterrupted):
@@ -159,7 +163,7 @@ def test_corrupt_newest_checkpoint_is_detected_and_the_previous_one_used(tmp_pat
 
 @pytest.mark.mutation
 def test_corrupt_checkpoint_check_catches_a_resume_that_gives_up(tmp_path, corrupt_newest):
-    again = resumed(tmp_path, corrupt_newest, *PP2, mutation="resume_gives_up")
+    again = resumed(tmp_path, corrupt_newest, *PP2, STOP_AT_3, mutation="resume_gives_up")
     with pytest.raises(AssertionError):
         assert_resumed_before_the_corrupt_checkpoint(again)
 

@@ -9,6 +9,7 @@ Mutation: one layer's MLP never updated in the pipeline run is caught."""
 import hf_export
 import pytest
 from training_runs import (
+    DEEPSPEED_SHORT,
     Tolerance,
     Trained,
     assert_same_parameters,
@@ -22,18 +23,7 @@ from training_runs import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_processes_left_behind")]
 
-COMMON = [
-    "model=tiny",
-    "backend=deepspeed",
-    "data=synthetic",
-    "precision=fp32",
-    "train.steps=4",
-    "train.global_batch=8",
-    "train.micro_batch=2",
-    "optim.lr=1e-3",
-    "optim.warmup_steps=0",
-    "checkpoint.interval_steps=4",
-]
+COMMON = [*DEEPSPEED_SHORT, "checkpoint.interval_steps=4"]
 # Measured over 4 steps against the single process: losses within 9.5e-7 (one float32 step at a
 # loss of 10.8: the replicas' means add up in another order), grad norms within 1.2e-7
 # (relative), final parameters within 9.2e-8 RMS. The smallest defect to catch, one layer's MLP
@@ -64,7 +54,7 @@ def test_reference_run_updates_every_parameter_at_every_step(reference):
 
 VARIANTS = {
     "zero0_dp2": ["zero=0"],
-    "zero1_dp2": ["zero=1"],
+    "zero1_dp2": None,  # the session's run (conftest.deepspeed_zero1_dp2)
     "zero2_dp2": ["zero=2"],
     "zero3_dp2_activation_checkpointing": ["zero=3", "recompute=full"],
     "zero2_offload_dp2": ["zero=2_offload"],
@@ -74,12 +64,14 @@ VARIANTS = {
 
 
 @pytest.fixture(scope="module")
-def layout_runs(tmp_path_factory):
+def layout_runs(tmp_path_factory, request):
     """variant -> its run, trained once for the parity test and the export tests."""
     runs = {}
 
     def get(variant: str):
-        if variant not in runs:
+        if variant not in runs and VARIANTS[variant] is None:
+            runs[variant] = request.getfixturevalue(f"deepspeed_{variant}")
+        elif variant not in runs:
             tmp = tmp_path_factory.mktemp(variant)
             runs[variant] = trained(tmp, variant, *COMMON, "cluster.gpus_per_node=2", *VARIANTS[variant])
         return runs[variant]

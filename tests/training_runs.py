@@ -23,6 +23,18 @@ from toolkit.plan.checkpoint import checkpoint_plan
 from toolkit.plan.layout import resolve
 
 MUTANTS = Path(__file__).parent / "mutants"
+# The DeepSpeed tests' short fp32 run (tests/test_train_deepspeed.py, tests/test_faults_deepspeed.py)
+DEEPSPEED_SHORT = [
+    "model=tiny",
+    "backend=deepspeed",
+    "data=synthetic",
+    "precision=fp32",
+    "train.steps=4",
+    "train.global_batch=8",
+    "train.micro_batch=2",
+    "optim.lr=1e-3",
+    "optim.warmup_steps=0",
+]
 
 
 def run(tmp_path, name, *overrides, timeout=600, mutation=None, command="train"):
@@ -128,6 +140,13 @@ class Trained:
     def parameters(self) -> dict:
         return checkpoint_parameters(self.checkpoints / (self.checkpoints / "latest").read_text().strip())
 
+    def through(self, step: int) -> "Trained":
+        """The same run, its records up to `step` only (to compare with a run stopped there)."""
+        earlier = copy.copy(self)
+        earlier.records = [r for r in self.records if r["step"] <= step]
+        earlier.evaluations = [r for r in self.evaluations if r["step"] <= step]
+        return earlier
+
     def after(self, step: int) -> "Trained":
         """The same run, its records after `step` only (to compare with a run resumed there)."""
         later = copy.copy(self)
@@ -203,11 +222,17 @@ class Tolerance:
 
 
 def assert_same_training(reference: Trained, got: Trained, tolerance: Tolerance, grad_norm: bool = True) -> None:
+    """The same steps (assert_same_steps), and every final parameter within tolerance. Max-abs is
+    no measure for the parameters: Adam divides by sqrt(v) + eps, so the few elements whose
+    gradient is near eps turn rounding differences of 1e-12 into 1e-5 (measured: 20 of 3.2M
+    embedding elements), while the rest agree to 1e-8."""
+    assert_same_steps(reference, got, tolerance, grad_norm)
+    assert_same_parameters(reference.parameters, got.parameters, tolerance.parameters)
+
+
+def assert_same_steps(reference: Trained, got: Trained, tolerance: Tolerance, grad_norm: bool = True) -> None:
     """The same steps with the same learning rate (exactly), every step's loss and gradient norm
-    within tolerance, and every final parameter. `grad_norm=False` for a run whose engine reports
-    none (DeepSpeed ZeRO-0). Max-abs is no measure for the parameters: Adam divides by
-    sqrt(v) + eps, so the few elements whose gradient is near eps turn rounding differences of
-    1e-12 into 1e-5 (measured: 20 of 3.2M embedding elements), while the rest agree to 1e-8."""
+    within tolerance. `grad_norm=False` for a run whose engine reports none (DeepSpeed ZeRO-0)."""
     assert [r["step"] for r in got.records] == [r["step"] for r in reference.records]
     for ref, rec in zip(reference.records, got.records):
         assert math.isclose(rec["loss"], ref["loss"], rel_tol=0, abs_tol=tolerance.loss), (
@@ -225,7 +250,6 @@ def assert_same_training(reference: Trained, got: Trained, tolerance: Tolerance,
                 rec["grad_norm"],
                 ref["grad_norm"],
             )
-    assert_same_parameters(reference.parameters, got.parameters, tolerance.parameters)
 
 
 def parameter_differences(reference: dict, got: dict) -> dict:

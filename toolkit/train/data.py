@@ -10,7 +10,9 @@ layout, which the parity tests rely on, and a resumed run can continue at any st
 from __future__ import annotations
 
 import os
+import tempfile
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -64,6 +66,34 @@ class Datasets:
     valid: object | None  # None: no evaluation (train.eval_interval=null)
 
 
+def index_cache(directory: Path) -> str:
+    """Where megatron-core keeps the sample indices: `directory`, when every rank sees the files
+    rank 0 writes there (megatron-core builds them on global rank 0 and the others read them); ""
+    (every rank builds them in memory) when some cannot, as on nodes without a shared filesystem.
+    A collective: rank 0 writes a probe file, every rank looks for it."""
+    rank = torch.distributed.get_rank()
+    directory.mkdir(parents=True, exist_ok=True)
+    probe = [None]
+    if rank == 0:
+        fd, path = tempfile.mkstemp(dir=directory, prefix=".shared-")
+        os.close(fd)
+        probe[0] = os.path.basename(path)
+    torch.distributed.broadcast_object_list(probe, src=0)
+    seen = torch.tensor([int((directory / probe[0]).exists())])
+    torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MIN)
+    if rank == 0:
+        (directory / probe[0]).unlink()
+    if seen.item():
+        return str(directory)
+    if rank == 0:
+        print(
+            f"data: {directory} is not shared by every node (rank 0's files are missing on some): each rank "
+            "builds the sample indices in memory (PARAKIT_CACHE on a shared filesystem builds them once)",
+            flush=True,
+        )
+    return ""
+
+
 def _corpus_datasets(cfg: Config, train_samples: int, valid_samples: int | None) -> Datasets:
     """GPTDataset over data.path (a prefix or a weighted blend) or the bundled corpus, split by
     data.split (rank 0 builds the sample indices, the others read them)."""
@@ -89,7 +119,7 @@ def _corpus_datasets(cfg: Config, train_samples: int, valid_samples: int | None)
         reset_position_ids=False,
         reset_attention_mask=False,
         eod_mask_loss=False,
-        path_to_cache=str(CACHE / "data" / "index"),
+        path_to_cache=index_cache(CACHE / "data" / "index"),
     )
     builder = BlendedMegatronDatasetBuilder(GPTDataset, [train_samples, valid_samples or 0, 0], lambda: True, config)
     train, valid, _ = builder.build()
