@@ -33,8 +33,7 @@ def swept(tmp_path_factory):
     directory = tmp_path_factory.mktemp("sweeps") / "grid"
     first = sweep(directory, *SHORT, *GRID)
     crash = sweep(directory, *SHORT, *CRASH)
-    again = sweep(directory, *SHORT, *GRID)
-    return directory, first, crash, again
+    return directory, first, crash
 
 
 def rows(directory) -> dict:
@@ -42,7 +41,7 @@ def rows(directory) -> dict:
 
 
 def test_every_point_is_recorded_with_measured_and_predicted_figures(swept):
-    directory, first, _, _ = swept
+    directory, first, _ = swept
     assert first.returncode == 0, first.stderr[-3000:]
     recorded = rows(directory)
     assert len(recorded) == 6  # 4 grid points + the crashing and the invalid one
@@ -70,12 +69,12 @@ def test_every_point_is_recorded_with_measured_and_predicted_figures(swept):
     assert "sweep point 4/4" in first.stdout and "left" in first.stdout
 
 
-def test_a_crashing_point_is_recorded_and_a_rerun_skips_recorded_points(swept):
-    directory, first, crash, again = swept
+def test_a_crashing_point_is_recorded_and_the_sweep_goes_on(swept):
+    """(A re-run skipping recorded points: the `sweep --from-plan` below.)"""
+    directory, first, crash = swept
     assert crash.returncode == 0, crash.stderr[-3000:]
     (failed,) = [r for r in rows(directory).values() if "kill_at_step=2" in r["point"] and r["status"] != "invalid"]
     assert failed["status"] == "failed" and "exitcode" in failed["error"], failed
-    assert again.returncode == 0 and again.stdout.count("skipped (recorded before)") == 4, again.stdout[-2000:]
     assert len(rows(directory)) == 6
 
 
