@@ -79,11 +79,11 @@ def index_cache(directory: Path) -> str:
         os.close(fd)
         probe[0] = os.path.basename(path)
     torch.distributed.broadcast_object_list(probe, src=0)
-    seen = torch.tensor([int((directory / probe[0]).exists())])
-    torch.distributed.all_reduce(seen, op=torch.distributed.ReduceOp.MIN)
+    seen = [None] * torch.distributed.get_world_size()  # objects, not tensors: gloo and NCCL alike
+    torch.distributed.all_gather_object(seen, (directory / probe[0]).exists())
     if rank == 0:
         (directory / probe[0]).unlink()
-    if seen.item():
+    if all(seen):
         return str(directory)
     if rank == 0:
         print(
@@ -96,7 +96,7 @@ def index_cache(directory: Path) -> str:
 
 def _corpus_datasets(cfg: Config, train_samples: int, valid_samples: int | None) -> Datasets:
     """GPTDataset over data.path (a prefix or a weighted blend) or the bundled corpus, split by
-    data.split (rank 0 builds the sample indices, the others read them)."""
+    data.split (rank 0 builds the sample indices, the others read them: index_cache)."""
     from toolkit.train import mcore_cpu
     from toolkit.train.corpus import CACHE, prepare_corpus
 
