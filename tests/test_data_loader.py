@@ -135,7 +135,7 @@ _NODES_WITHOUT_SHARED_FILES = textwrap.dedent("""
             torch.distributed.all_gather_object(tokens, [train[i]["tokens"].tolist() for i in range(4)])
             seen[case + " samples equal"] = tokens[0] == tokens[1]
             seen[case + " files"] = sorted(p.name for p in (Path(tmp) / directory).iterdir())
-        print("RESULT", json.dumps(seen), flush=True)
+        Path(tmp, f"result-{rank}.json").write_text(json.dumps(seen))  # not stdout: the ranks' lines interleave
 
     if __name__ == "__main__":
         mp.spawn(rank_main, args=(sys.argv[1],), nprocs=2)
@@ -154,8 +154,7 @@ def test_multi_node_sample_indices_without_a_shared_filesystem(tmp_path):
         [sys.executable, str(script), str(tmp_path)], capture_output=True, text=True, timeout=300
     )  # fmt: skip
     assert result.returncode == 0, result.stderr[-3000:]
-    ranks = [json.loads(line.split(maxsplit=1)[1]) for line in result.stdout.splitlines() if line.startswith("RESULT")]
-    assert len(ranks) == 2, result.stdout
+    ranks = [json.loads((tmp_path / f"result-{rank}.json").read_text()) for rank in (0, 1)]
     for seen in ranks:
         assert seen["shared"] == str(tmp_path / "index") and seen["own"] == "", seen
         assert seen["shared samples equal"] and seen["own samples equal"], seen

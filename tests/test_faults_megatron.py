@@ -250,7 +250,9 @@ def preempted_on_two_nodes(slurm_env, tmp_path_factory):
     deadline = time.monotonic() + 120
     while job_state(job_id, slurm_env) != "PENDING" and job.proc.poll() is None and time.monotonic() < deadline:
         time.sleep(0.5)
-    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now"], env=slurm_env, capture_output=True)
+    # not at once: slurmd revokes the ended incarnation's credential with one-second resolution, and
+    # a relaunch in the same second is refused ("Job credential revoked") and the job fails
+    subprocess.run(["scontrol", "update", f"JobId={job_id}", "StartTime=now+2"], env=slurm_env, capture_output=True)
     return job, job.wait(timeout_s=600), tmp / "run"
 
 
@@ -258,8 +260,10 @@ def preempted_on_two_nodes(slurm_env, tmp_path_factory):
 def test_multi_node_slurm_job_equals_the_one_node_run(uninterrupted, preempted_on_two_nodes):
     job, code, run_dir = preempted_on_two_nodes
     assert code == 0, job.output[-4000:]
-    assert re.search(r"\[node1\] planner: predicted step", job.output), job.output[-4000:]  # rank 0's node log
-    assert "[node2] " in job.output  # and the other node's, followed
+    # rank 0's node log: either node's (c10d rendezvous orders the agents by host name and pid,
+    # the same host name on this machine), and the other node's log is followed too
+    assert re.search(r"\[node[12]\] planner: predicted step", job.output), job.output[-4000:]
+    assert "[node1] " in job.output and "[node2] " in job.output, job.output[-4000:]
     assert_same_training(uninterrupted["long"], Trained(run_dir), EXACT)
 
 
