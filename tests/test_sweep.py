@@ -88,14 +88,35 @@ def test_report_draws_the_real_sweep(swept, tmp_path):
     assert len(table) == 6 and "data:image/png;base64," in (tmp_path / "report.html").read_text()
 
 
-def test_calibrate_lowers_the_held_out_error_of_the_real_sweep(swept, tmp_path):
-    """The datasheet cpu cluster against the same cluster fitted to this sweep, each point
-    predicted by a fit to the others (tests/test_calibrate.py checks the fit on made-up times)."""
-    from toolkit.plan.calibrate import calibrate, load_points
+def test_calibrate_lowers_the_held_out_error_of_the_real_sweep(swept):
+    """The sweep's cluster fitted to its points, each point predicted by a fit to the others
+    (tests/test_calibrate.py checks the fit on made-up times). How far the datasheet cpu cluster is
+    off depends on the machine and its load (16% here, 0 would leave nothing to fit), so the fit is
+    also judged from a datasheet known to be off: the constants fitted here as if for a machine 4x
+    faster (every prediction 75% low). The measured points scatter by about 20% (held-out errors
+    up to 0.17 here), so a fit that recovers the factor lands far below half of that 75%."""
+    import dataclasses
 
-    calibration = calibrate(load_points(swept[0]))
-    assert len(calibration.points) == 4 and calibration.fitted
-    assert calibration.median_after < calibration.median_before, (calibration.before, calibration.after)
+    from toolkit.plan.calibrate import CONSTANTS, calibrate, load_points
+
+    points = load_points(swept[0])
+    calibration = calibrate(points)
+    assert len(calibration.points) == 4  # never worse: a constant is fitted only where it helps
+    assert calibration.median_after <= calibration.median_before, (calibration.before, calibration.after)
+
+    def four_times_faster(point):
+        constants = {name: getattr(calibration.cluster, name) for name in CONSTANTS}
+        for name in ("hbm_bandwidth_gbs", "intra_node_bandwidth_gbs", "inter_node_bandwidth_gbs"):
+            constants[name] *= 4
+        for name in ("step_overhead_s", "layer_overhead_s"):
+            constants[name] /= 4
+        peak = 4 * point.cfg.cluster.peak_tflops_fp32
+        cluster = dataclasses.replace(point.cfg.cluster, **constants, peak_tflops_fp32=peak)
+        return dataclasses.replace(point, cfg=dataclasses.replace(point.cfg, cluster=cluster))
+
+    recovered = calibrate([four_times_faster(p) for p in points])
+    assert max(recovered.before) < -0.5 and recovered.fitted, recovered.before  # every point: under half
+    assert recovered.median_after < recovered.median_before / 2, (recovered.before, recovered.after)
 
 
 def test_optuna_searches_the_recorded_layouts_by_measured_throughput(swept):
