@@ -138,8 +138,11 @@ def verify(directory: Path, level: str = "sha256", names: list[str] | None = Non
     """None when every file the manifest lists (or `names` of them) is there with its size and,
     unless `level` is size, the checksum the manifest recorded; else why not."""
     listed, problem = listed_files(directory)
-    if problem:
-        return problem
+    return problem or _verify_listed(directory, listed, level, names)
+
+
+def _verify_listed(directory: Path, listed: dict, level: str, names: list[str] | None = None) -> str | None:
+    """`verify` against the manifest's entries already read."""
     for name in listed if names is None else names:
         expected, path = listed[name], directory / name
         if not path.exists():
@@ -297,7 +300,8 @@ def verify_collectively(directory: Path, level: str = "sha256") -> str | None:
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     listed, problem = listed_files(directory)
     if problem is None:
-        problem = verify(directory, level, share({n: e["bytes"] for n, e in listed.items()}, rank, world))
+        mine = share({n: e["bytes"] for n, e in listed.items()}, rank, world)
+        problem = _verify_listed(directory, listed, level, mine)
     problems = [None] * world
     torch.distributed.all_gather_object(problems, problem)
     return next((p for p in problems if p), None)
@@ -324,11 +328,16 @@ def find_collectively(root: Path, level: str = "sha256") -> tuple[Path | None, l
     return found, unusable
 
 
-def saved_rng_state(directory: Path, world_size: int):
-    """This rank's saved random state, when the checkpoint was written by as many ranks."""
+def trainer_state(directory: Path) -> dict:
+    """The step, scheduler and layout a checkpoint was saved with."""
+    return json.loads((directory / "trainer_state.json").read_text())
+
+
+def saved_rng_state(directory: Path, state: dict, world_size: int):
+    """This rank's saved random state, when the checkpoint (its `trainer_state`) was written by
+    as many ranks."""
     import torch
 
-    state = json.loads((directory / "trainer_state.json").read_text())
     path = directory / "rng" / f"rank_{torch.distributed.get_rank():05d}.pt"
     if state["layout"]["world"] != world_size or not path.exists():
         return None  # another layout: its random streams do not map onto these ranks

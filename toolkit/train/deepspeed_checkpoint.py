@@ -13,7 +13,6 @@ with what to keep.
 
 from __future__ import annotations
 
-import json
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
@@ -71,13 +70,14 @@ def load(engine, root: Path, layout: Layout, verify: str = "sha256") -> ckpt.Res
     directory, unusable = ckpt.find_collectively(root, verify)
     if directory is None:
         return ckpt.Resume(unusable=unusable)
-    saved = json.loads((directory / "trainer_state.json").read_text())["layout"]
+    state = ckpt.trainer_state(directory)
+    saved = state["layout"]
     now = _layout_record(layout, engine.zero_optimization_stage())
     if all(saved.get(key, now[key]) == now[key] for key in now):
         _, client = engine.load_checkpoint(str(directory), tag=TAG)
     else:
         client = _load_universal(engine, directory, saved, now)
-    rng = ckpt.saved_rng_state(directory, layout.world_size)
+    rng = ckpt.saved_rng_state(directory, state, layout.world_size)
     if rng is not None:
         ckpt.set_host_rng_state(rng)
     if torch.distributed.get_rank() == 0:

@@ -28,8 +28,7 @@ def init_process_group() -> None:
         )
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    restarted = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") != "0"
-    if restarted and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
+    if local_restarts() and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True":
         print(
             "parakit: restarted ranks meet in the store torchrun's agents share, where peers' old addresses "
             "can hang them; set TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1 for torchrun (launch.sh does)",
@@ -38,6 +37,27 @@ def init_process_group() -> None:
         )
     backend = "nccl" if torch.cuda.is_available() else "gloo"
     torch.distributed.init_process_group(backend, timeout=TIMEOUT)
+    global _job_restarts
+    counts = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(counts, local_restarts())
+    _job_restarts = max(counts)
+
+
+# The job's restarts as every rank agrees on them (init_process_group): the most any node's agent
+# counts. torchrun counts failures only: an agent whose ranks restart because a peer agent came
+# back to the rendezvous (a membership change) still counts 0 on the job's second attempt.
+_job_restarts: int | None = None
+
+
+def local_restarts() -> int:
+    """How often this node's torchrun agent has restarted its ranks (each agent counts its own)."""
+    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
+
+
+def job_restarts() -> int:
+    """How often the job has restarted (0 on its first attempt); this node's agent's count
+    where parakit did not start the process group."""
+    return local_restarts() if _job_restarts is None else _job_restarts
 
 
 def end_process_group() -> None:

@@ -20,23 +20,18 @@ from pathlib import Path
 import torch
 
 from toolkit.config.schema import FaultConfig
+from toolkit.train.distributed import end_helper_processes, job_restarts
 
 
 def _exit(code: int) -> None:
     """Die at once, like a crashed rank, without leaving helper processes behind."""
-    from toolkit.train.distributed import end_helper_processes
-
     end_helper_processes()
     os._exit(code)
 
 
-def restart_count() -> int:
-    """How often torchrun has restarted this job (0 on the first attempt)."""
-    return int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0"))
-
-
 def first_attempt() -> bool:
-    return restart_count() == 0
+    """The job's first attempt, the same answer on every rank (an injected fault fires once)."""
+    return job_restarts() == 0
 
 
 class Watchdog:

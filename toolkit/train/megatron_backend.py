@@ -6,7 +6,6 @@ Runs on NVIDIA GPUs with NCCL, and on CPU with gloo through toolkit.train.mcore_
 
 from __future__ import annotations
 
-import json
 from functools import partial
 from pathlib import Path
 
@@ -179,9 +178,9 @@ def load_checkpoint(root: Path, chunks, optimizer, scheduler, layout: Layout, ve
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(loaded[f"chunk{i}"], strict=True)
     optimizer.load_state_dict(loaded["optimizer"])
-    state = json.loads((directory / "trainer_state.json").read_text())
+    state = ckpt.trainer_state(directory)
     scheduler.load_state_dict(state["scheduler"])
-    rng = ckpt.saved_rng_state(directory, layout.world_size)
+    rng = ckpt.saved_rng_state(directory, state, layout.world_size)
     if rng is not None:
         _set_rng_state(rng)
     if torch.distributed.get_rank() == 0:

@@ -23,7 +23,7 @@ from toolkit.plan.layout import Layout
 from toolkit.plan.memory import GIB, peak_memory
 from toolkit.plan.perf import estimate_step, mfu_peak_flops
 from toolkit.train.checkpoint import Resume
-from toolkit.train.faults import restart_count
+from toolkit.train.distributed import local_restarts
 from toolkit.train.probe import stage_times
 
 
@@ -156,7 +156,7 @@ class Metrics:
             "final_val_loss": self.evaluations[-1]["val_loss"] if self.evaluations else None,
             "mean_tokens_per_s": sum(r["tokens_per_s"] for r in self.history[1:]) / max(1, len(self.history) - 1),
             # which attempt of a torchrun-restarted job finished, and where it started from
-            "restarts": restart_count(),
+            "restarts": local_restarts(),
             **self.resume.record(),
         }
         if ranks:

@@ -19,7 +19,7 @@ from contextlib import contextmanager
 import torch
 
 from toolkit.plan.memory import GIB
-from toolkit.train.faults import restart_count
+from toolkit.train.distributed import local_restarts
 
 # Start-up and the first steps (which allocate the optimizer state) are profiled: after them a
 # step holds what every later step holds. Sweeps leave as many warm-up steps out of their timing.
@@ -128,7 +128,7 @@ def gather_ranks(compute_s: list[float], memory: MemoryProbe, world_size: int, p
         "rank": rank,
         "stage": rank // (world_size // pp),
         "compute_s": compute_s,
-        "restarts": restart_count(),  # per node: each torchrun agent counts its own
+        "restarts": local_restarts(),  # per node: each torchrun agent counts its own
         **memory.peaks(),
     }
     everyone = [None] * world_size if rank == 0 else None
