@@ -281,6 +281,23 @@ def test_multi_node_train_dry_run_prints_the_batch_script_and_without_slurm_says
     assert hint in no_slurm.stderr
 
 
+def test_multi_node_train_refused_by_sbatch_says_what_was_refused_and_how_to_run_by_hand(tmp_path, monkeypatch, capsys):
+    """sbatch installed but no cluster it can reach (or an option the cluster rejects)."""
+    from toolkit.config.store import compose_config
+    from toolkit.train.slurm import submit
+
+    (tmp_path / "sbatch").write_text(
+        "#!/bin/sh\necho 'sbatch: fatal: Could not establish a configuration source' >&2\nexit 1\n"
+    )
+    (tmp_path / "sbatch").chmod(0o755)
+    monkeypatch.setenv("PATH", f"{tmp_path}:{os.environ['PATH']}")
+    cfg = compose_config(["model=tiny", "cluster.nodes=2", "cluster.gpus_per_node=2", "train.global_batch=8"])
+    assert submit(cfg, tmp_path, detach=True) == 1
+    err = capsys.readouterr().err
+    assert "sbatch refused the job: sbatch: fatal: Could not establish a configuration source" in err
+    assert f"RDZV_ID=<any id, the same on every node> {tmp_path}/launch.sh" in err
+
+
 def test_multi_node_train_detach_submits_launch_sh_from_the_run_directory(tmp_path):
     """A stand-in sbatch records how it was called: from the run directory, with the job's log in
     its logs/ (created first: Slurm does not create it), on launch.sh; --detach returns at once."""

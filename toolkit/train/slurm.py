@@ -75,7 +75,12 @@ def submit(cfg: Config, run_dir: Path, detach: bool) -> int:
     logs.mkdir(parents=True, exist_ok=True)  # Slurm does not create the directory of --output
     done = subprocess.run(sbatch_command(cfg, run_dir), cwd=run_dir, capture_output=True, text=True)
     if done.returncode != 0:
-        print(f"parakit train: sbatch refused the job: {done.stderr.strip()}", file=sys.stderr)
+        print(
+            f"parakit train: sbatch refused the job: {done.stderr.strip()}\n"
+            "fix what it names (cluster.slurm.* sets the batch options) or, with no Slurm cluster to submit to, "
+            + by_hand(cfg, run_dir),
+            file=sys.stderr,
+        )
         return 1
     job_id = done.stdout.strip().split(";")[0]  # --parsable: "ID" or "ID;CLUSTER"
     print(f"parakit train: submitted Slurm job {job_id}; run directory {run_dir}; logs {logs}", flush=True)
