@@ -10,7 +10,7 @@ import pytest
 from hydra.errors import ConfigCompositionException, MissingConfigException
 
 from toolkit.config.schema import Config
-from toolkit.config.store import conf_dir, quote_numeric_choices
+from toolkit.config.store import UnknownOptionError, conf_dir, quote_numeric_choices
 from toolkit.plan.layout import bubble_fraction, lr_scale_factor, padded_vocab_size, rescaled_warmup, resolve
 
 HF_CONFIG = Path(__file__).parent / "data" / "hf_qwen2"  # a config.json only
@@ -44,6 +44,29 @@ def test_cluster_presets_cover_cpu_single_h200_node_and_clusters():
 def test_wrong_type_or_unknown_key_fails_at_composition(compose, override, error):
     with pytest.raises(error):
         compose(override)
+
+
+@pytest.mark.parametrize(
+    "override,suggestion",
+    [
+        (
+            "cluster.slurm.partiton=debug",
+            "cluster.slurm has no field 'partiton'. Did you mean cluster.slurm.partition?",
+        ),
+        ("traim.steps=3", "the config has no field 'traim'. Did you mean train?"),
+        ("model.num_layrs=2,4", "model has no field 'num_layrs'. Did you mean model.num_layers?"),
+        ("+train.stpes=3", "train has no field 'stpes'. Did you mean train.steps?"),  # else silently dropped
+    ],
+)
+def test_a_misspelled_key_names_the_closest_field(compose, override, suggestion):
+    with pytest.raises(UnknownOptionError) as raised:
+        compose(override)
+    assert suggestion in str(raised.value)
+
+
+def test_right_keys_and_hydra_keys_pass_the_field_check(compose):
+    cfg = compose("cluster.slurm.partition=debug", "++train.steps=3", "hydra.job.chdir=false")
+    assert cfg.cluster.slurm.partition == "debug" and cfg.train.steps == 3
 
 
 def _enum_fields(section=Config, prefix=""):

@@ -12,9 +12,11 @@ one file and a clash is an error rather than a silent choice of one of them.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import os
 import re
+import typing
 from collections.abc import Sequence
 from importlib.resources import files
 from pathlib import Path
@@ -22,7 +24,7 @@ from pathlib import Path
 from hydra import compose, initialize_config_dir
 from hydra.core.config_store import ConfigStore
 from hydra.core.override_parser.overrides_parser import OverridesParser
-from hydra.core.override_parser.types import ValueType
+from hydra.core.override_parser.types import OverrideType, ValueType
 from hydra.errors import HydraException, MissingConfigException
 from omegaconf import OmegaConf
 from omegaconf.errors import InterpolationResolutionError
@@ -118,6 +120,10 @@ def check_overrides(overrides: Sequence[str], dirs: Sequence[Path]) -> None:
         if group == "hydra.searchpath":
             raise SearchPathError(f"{text}: add config directories with --config-dir DIR or ${CONFIG_PATH_ENV}")
         if group not in groups:
+            # `+key` too: the schema's dataclasses take no new keys, and OmegaConf drops one silently
+            plain = override.type != OverrideType.DEL and override.package is None  # not ~key, not @package
+            if plain and re.fullmatch(r"[\w.]+", group) and not group.startswith("hydra."):
+                _check_field(group)
             continue
         for value in _values(override):
             if value is None:
@@ -139,6 +145,29 @@ def check_overrides(overrides: Sequence[str], dirs: Sequence[Path]) -> None:
             raise UnknownOptionError(
                 f"{group}={value}: no {group} of that name.{hint} Available: {available} (search path: {where})"
             )
+
+
+def _check_field(key: str) -> None:
+    """Raise UnknownOptionError for a dotted key that no field of the schema has, naming the
+    closest field (Hydra says only that the key is not in the dataclass)."""
+    node, walked = Config, []
+    for part in key.split("."):
+        if not dataclasses.is_dataclass(node):
+            return  # a dict or list field: any key may be right
+        fields = typing.get_type_hints(node)
+        if part not in fields:
+            where = ".".join(walked) or "the config"
+            close = difflib.get_close_matches(part, fields, n=1)
+            hint = f" Did you mean {'.'.join([*walked, close[0]])}?" if close else ""
+            raise UnknownOptionError(f"{key}: {where} has no field {part!r}.{hint} Fields: {', '.join(fields)}")
+        node = _unwrap_optional(fields[part])
+        walked.append(part)
+
+
+def _unwrap_optional(annotation):
+    """X from X | None (Optional[X]); other annotations as they are."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    return args[0] if len(args) == 1 and type(None) in typing.get_args(annotation) else annotation
 
 
 def quote_numeric_choices(overrides: list[str], dirs: Sequence[Path] | None = None) -> list[str]:
