@@ -42,7 +42,8 @@ class SearchPathError(ValueError):
 
 
 class UnknownOptionError(MissingConfigException):
-    """A config group option that no directory of the search path holds (or a path, refused)."""
+    """A config group option that no directory of the search path holds (or a path, refused), or
+    a key that no field of the schema has."""
 
 
 def register_schema() -> None:
@@ -106,7 +107,8 @@ def _values(override) -> list:
 def check_overrides(overrides: Sequence[str], dirs: Sequence[Path]) -> None:
     """Raise UnknownOptionError for a group option (`recipe=NAME`) that no directory of the search
     path holds, naming the available options and the closest one; a path (`..`, absolute) is
-    refused before anything is read. Hydra itself reports overrides that do not parse."""
+    refused before anything is read; likewise a key no field has (`_check_field`). Hydra itself
+    reports overrides that do not parse."""
     groups = group_options(dirs)
     parser = OverridesParser.create()
     for text in overrides:
