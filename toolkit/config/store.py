@@ -16,7 +16,6 @@ import dataclasses
 import difflib
 import os
 import re
-import typing
 from collections.abc import Sequence
 from importlib.resources import files
 from pathlib import Path
@@ -152,24 +151,18 @@ def check_overrides(overrides: Sequence[str], dirs: Sequence[Path]) -> None:
 def _check_field(key: str) -> None:
     """Raise UnknownOptionError for a dotted key that no field of the schema has, naming the
     closest field (Hydra says only that the key is not in the dataclass)."""
-    node, walked = Config, []
+    node, walked = Config(), []  # the defaults: every section is a dataclass instance
     for part in key.split("."):
         if not dataclasses.is_dataclass(node):
-            return  # a dict or list field: any key may be right
-        fields = typing.get_type_hints(node)
+            return  # below a plain field (a list): Hydra reports it
+        fields = [f.name for f in dataclasses.fields(node)]
         if part not in fields:
             where = ".".join(walked) or "the config"
             close = difflib.get_close_matches(part, fields, n=1)
             hint = f" Did you mean {'.'.join([*walked, close[0]])}?" if close else ""
             raise UnknownOptionError(f"{key}: {where} has no field {part!r}.{hint} Fields: {', '.join(fields)}")
-        node = _unwrap_optional(fields[part])
+        node = getattr(node, part)
         walked.append(part)
-
-
-def _unwrap_optional(annotation):
-    """X from X | None (Optional[X]); other annotations as they are."""
-    args = [a for a in typing.get_args(annotation) if a is not type(None)]
-    return args[0] if len(args) == 1 and type(None) in typing.get_args(annotation) else annotation
 
 
 def quote_numeric_choices(overrides: list[str], dirs: Sequence[Path] | None = None) -> list[str]:
