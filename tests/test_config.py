@@ -56,6 +56,7 @@ def test_wrong_type_or_unknown_key_fails_at_composition(compose, override, error
         ("traim.steps=3", "the config has no field 'traim'. Did you mean train?"),
         ("model.num_layrs=2,4", "model has no field 'num_layrs'. Did you mean model.num_layers?"),
         ("+train.stpes=3", "train has no field 'stpes'. Did you mean train.steps?"),  # else silently dropped
+        ("cluster.slurm.extra_sbatch.mail=END", "cluster.slurm.extra_sbatch is a list: set it whole"),  # else int()
     ],
 )
 def test_a_misspelled_key_names_the_closest_field(compose, override, suggestion):

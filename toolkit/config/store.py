@@ -153,11 +153,13 @@ def _check_field(key: str) -> None:
     closest field (Hydra says only that the key is not in the dataclass)."""
     node, walked = Config(), []  # the defaults: every section is a dataclass instance
     for part in key.split("."):
+        where = ".".join(walked) or "the config"
+        if isinstance(node, list) and not part.isdigit():  # OmegaConf would fail with a bare int() error
+            raise UnknownOptionError(f"{key}: {where} is a list: set it whole ({where}=[...]) or an item ({where}.0)")
         if not dataclasses.is_dataclass(node):
-            return  # below a plain field (a list): Hydra reports it
+            return  # below a plain field: Hydra reports what is wrong
         fields = [f.name for f in dataclasses.fields(node)]
         if part not in fields:
-            where = ".".join(walked) or "the config"
             close = difflib.get_close_matches(part, fields, n=1)
             hint = f" Did you mean {'.'.join([*walked, close[0]])}?" if close else ""
             raise UnknownOptionError(f"{key}: {where} has no field {part!r}.{hint} Fields: {', '.join(fields)}")
