@@ -19,6 +19,16 @@ def compose():
 
 
 @pytest.fixture
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that nothing listens on now (a rendezvous or a store binds it)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture
 def no_processes_left_behind(tmp_path):
     """No process of this test's runs (their command lines name its directory) outlives the test."""
     yield

@@ -290,16 +290,10 @@ def test_multi_node_slurm_node_lost_mid_run_is_named(slurm_env, tmp_path):
     assert re.search(rf"Slurm job {job_id} ended FAILED.*\n.*node node2 was lost", job.output), job.output[-4000:]
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.slow
-def test_multi_node_two_torchrun_agents_without_slurm_restart_and_equal_the_one_node_run(tmp_path, uninterrupted):
+def test_multi_node_two_torchrun_agents_without_slurm_restart_and_equal_the_one_node_run(
+    tmp_path, uninterrupted, free_port
+):
     """launch.sh of pp2 over 2 nodes, run twice on this machine as on two nodes (no Slurm: c10d
     rendezvous at MASTER_ADDR), a rank each; the second node's rank dies at step 3 and both agents
     restart (max_restarts=1) from step 2: the same training as the one-node pp2 run, bit for bit.
@@ -318,7 +312,7 @@ def test_multi_node_two_torchrun_agents_without_slurm_restart_and_equal_the_one_
         command="generate",
     )
     assert generated.returncode == 0, generated.stderr[-3000:]
-    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port()), "RDZV_ID": "two-agents"}
+    env = {**os.environ, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(free_port), "RDZV_ID": "two-agents"}
     env.pop("SLURM_JOB_ID", None)
     agents = [
         subprocess.Popen(["bash", str(generated.run_dir / "launch.sh")], env=env, stdout=subprocess.PIPE,

@@ -49,18 +49,16 @@ AGREED = textwrap.dedent("""
 """)
 
 
-def test_every_rank_agrees_on_the_job_attempt_whatever_its_agent_counts(tmp_path):
+def test_every_rank_agrees_on_the_job_attempt_whatever_its_agent_counts(tmp_path, free_port):
     """An injected fault fires on the job's first attempt only: a rank whose agent counts no
     restart must not fire it again on the second (the job's restarts: the most any agent counts)."""
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = str(s.getsockname()[1])
     script = tmp_path / "agents.py"
     script.write_text(AGREED)
     result = subprocess.run(
-        [sys.executable, str(script), port, str(tmp_path / "seen")], capture_output=True, text=True, timeout=120
+        [sys.executable, str(script), str(free_port), str(tmp_path / "seen")],
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert result.returncode == 0, result.stderr[-3000:]
     assert [(tmp_path / f"seen-{rank}").read_text() for rank in (0, 1)] == ["1 False", "1 False"]
