@@ -6,7 +6,10 @@ every parameter (asserted on the reference run). Layouts share their runs with t
 must change nothing either: selective and full recompute, and one micro-batch per step instead of
 eight accumulated. bf16 and the README demo learn on the real corpus; the demo's checkpoint (tp2
 pp2 vpp2) exported to transformers reproduces its loss; a wrong layout never starts a process.
-Mutation: doubled gradients in a multi-rank run are caught."""
+Context parallel (each rank two of every sequence's 2*cp chunks) and sequence parallel (torch
+norms whose gradients megatron-core sums over tp) run here without Transformer Engine.
+Mutations: doubled gradients, every cp rank fed the whole sequence, and sequence-parallel norm
+gradients left unsummed are caught."""
 
 import json
 import subprocess
@@ -68,10 +71,18 @@ def test_reference_run_updates_every_parameter_from_the_first_step(reference):
 
 
 LAYOUTS = {
-    "tp2_selective_recompute": ["cluster.gpus_per_node=2", "parallel.tp=2", "recompute=selective"],
+    "tp2_sequence_parallel_selective_recompute": [
+        "cluster.gpus_per_node=2",
+        "parallel.tp=2",
+        "parallel.sequence_parallel=true",
+        "recompute=selective",
+    ],
     "pp2": ["cluster.gpus_per_node=2", "parallel.pp=2"],
     "tp2_pp2_vpp2": ["cluster.gpus_per_node=4", "parallel.tp=2", "parallel.pp=2", "parallel.vpp=2"],
     "pp4_vpp2_full_recompute": ["cluster.gpus_per_node=4", "parallel.pp=4", "parallel.vpp=2", "recompute=full"],
+    # each rank two of the sequence's four chunks, attending to the keys of both (all-gathered)
+    "cp2": ["cluster.gpus_per_node=2", "parallel.cp=2"],
+    "tp2_cp2": ["cluster.gpus_per_node=4", "parallel.tp=2", "parallel.cp=2"],
     # the reference accumulates 8 micro-batches of 1; here each replica takes one of 4
     "dp2_distributed_optimizer_no_accumulation": ["cluster.gpus_per_node=2", "zero=1", "train.micro_batch=4"],
 }
@@ -92,6 +103,24 @@ def test_parity_catches_doubled_gradients(tmp_path, reference):
         tmp_path, "doubled", *COMMON, *LAYOUTS["pp2"], f"train.init_checkpoint={init}", mutation="doubled_gradients"
     )
     with pytest.raises(AssertionError, match="grad norm|loss"):
+        assert_same_training(run, got, TOLERANCE)
+
+
+@pytest.mark.mutation
+@pytest.mark.parametrize(
+    "layout, mutation",
+    [
+        # measured: the loss doubles (every cp rank adds the whole sequence's loss)
+        ("cp2", "cp_whole_sequence"),
+        # measured: loss +7.6e-6 and grad norm +1.6e-4 (relative) at step 2, the norms' final
+        # weights 1.6e-3 RMS away (each tp rank applied the gradient of its half of the sequence)
+        ("tp2_sequence_parallel_selective_recompute", "sp_norm_grads_not_summed"),
+    ],
+)
+def test_parity_catches_a_broken_sequence_split(tmp_path, reference, layout, mutation):
+    run, init = reference
+    got = trained(tmp_path, mutation, *COMMON, *LAYOUTS[layout], f"train.init_checkpoint={init}", mutation=mutation)
+    with pytest.raises(AssertionError, match="grad norm|loss|final parameters"):
         assert_same_training(run, got, TOLERANCE)
 
 

@@ -64,18 +64,11 @@ ERROR_CASES = [
         "model.seq_length",
     ),
     (
-        "sp_cpu",
-        ["parallel.sequence_parallel=true", "parallel.tp=2"],
-        [H100, "parallel.sequence_parallel=true", "parallel.tp=2"],
-        "cluster.device",
-    ),
-    (
         "cp_seq",
         [H100, "parallel.cp=2", "model.seq_length=126"],
         [H100, "parallel.cp=2", "model.seq_length=128"],
         "parallel.cp",
     ),
-    ("cp_cpu", ["parallel.cp=2"], [H100, "parallel.cp=2"], "cluster.device"),
     ("pp_layers", ["parallel.pp=4", "model.num_layers=6"], ["parallel.pp=4", "model.num_layers=8"], "model.num_layers"),
     (
         "pp_layers",
@@ -107,7 +100,6 @@ ERROR_CASES = [
         [DS, "model.sliding_window=64"],
         "model.sliding_window",
     ),
-    ("sliding_window_cpu", ["model.sliding_window=64"], [H100, "model.sliding_window=64"], "model.sliding_window"),
     (
         "pipeline_tied_embeddings",
         [DS, "parallel.pp=2", "model.tie_embeddings=true"],

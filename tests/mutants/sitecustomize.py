@@ -42,6 +42,29 @@ def doubled_gradients():
     megatron_backend._loss = doubled
 
 
+def cp_whole_sequence():
+    """Every context-parallel rank is fed the whole sequence instead of its share (megatron backend)."""
+    from toolkit.train import megatron_backend
+
+    megatron_backend._cp_share = lambda batch: batch
+
+
+def sp_norm_grads_not_summed():
+    """Under sequence parallel the norms' gradients are not summed over the tensor-parallel ranks:
+    each rank keeps the gradient of its own share of the sequence (megatron backend, torch norms)."""
+    from toolkit.train import megatron_model
+
+    build = megatron_model.TorchNorm.__new__
+
+    def unmarked(cls, *args, **kwargs):
+        norm = build(cls, *args, **kwargs)
+        for param in norm.parameters():
+            param.sequence_parallel = False
+        return norm
+
+    megatron_model.TorchNorm.__new__ = staticmethod(unmarked)
+
+
 def scheduler_state_dropped():
     """A resumed run forgets the learning-rate scheduler's state (megatron backend)."""
     from types import SimpleNamespace
@@ -93,6 +116,8 @@ MUTATIONS = {
     for f in (
         frozen_mlp,
         doubled_gradients,
+        cp_whole_sequence,
+        sp_norm_grads_not_summed,
         norms_decayed,
         scheduler_state_dropped,
         random_state_not_restored,

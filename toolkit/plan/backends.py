@@ -44,9 +44,6 @@ class Backend:
     uneven_pipeline_stages: bool  # parallel.first_stage_layers / last_stage_layers
     pipeline_tied_embeddings: bool
     pipeline_sliding_window: bool
-    # What runs without CUDA.
-    cpu_sequence_parallel: bool
-    cpu_sliding_window: bool
     # Model and numerics.
     pads_vocab: bool  # embedding padded to make_vocab_size_divisible_by * tp (Megatron-LM)
     fp32_grad_reduce: bool  # honours precision.grad_reduce_in_fp32 (fp32 main grads)
@@ -92,8 +89,6 @@ MEGATRON = Backend(
     uneven_pipeline_stages=True,
     pipeline_tied_embeddings=True,
     pipeline_sliding_window=True,
-    cpu_sequence_parallel=False,  # its sequence-parallel norms come from Transformer Engine or apex
-    cpu_sliding_window=False,  # sliding-window attention runs through Transformer Engine
     pads_vocab=True,
     fp32_grad_reduce=True,
     fp32_master_from_stage=None,
@@ -129,8 +124,6 @@ DEEPSPEED = Backend(
     uneven_pipeline_stages=False,  # PipelineModule balances the decoder layers itself
     pipeline_tied_embeddings=False,
     pipeline_sliding_window=False,
-    cpu_sequence_parallel=False,
-    cpu_sliding_window=True,
     pads_vocab=False,  # transformers embeddings are not padded
     fp32_grad_reduce=False,
     fp32_master_from_stage=1,

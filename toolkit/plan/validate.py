@@ -378,13 +378,6 @@ def _parallel(cfg: Config) -> Iterator[Violation]:
             "sequence parallel needs the sequence length divisible by tp",
             f"use model.seq_length={m.seq_length - m.seq_length % p.tp or p.tp}",
         )
-    if p.cp > 1 and c.device == "cpu":
-        yield _err(
-            "cp_cpu",
-            {"parallel.cp": p.cp, "cluster.device": "cpu"},
-            "context parallel attention runs through Transformer Engine, which needs CUDA",
-            "use parallel.cp=1 on CPU",
-        )
     if p.cp > 1 and m.seq_length % (2 * p.cp):
         yield _err(
             "cp_seq",
@@ -580,25 +573,6 @@ def _backend(cfg: Config) -> Iterator[Violation]:
             {"recompute.granularity": r.granularity, "backend.name": b},
             f"the {b} backend recomputes {_listing(be.recompute)} only",
             f"use recompute=full or {_others(lambda o: r.granularity in o.recompute)}",
-        )
-    if m.sliding_window and cfg.cluster.device == "cpu" and not be.cpu_sliding_window:
-        yield _err(
-            "sliding_window_cpu",
-            {"model.sliding_window": m.sliding_window, "cluster.device": "cpu"},
-            f"the {b} backend's sliding-window attention runs through Transformer Engine (CUDA)",
-            f"use {_others(lambda o: o.cpu_sliding_window)} on CPU, or model.sliding_window=null",
-        )
-    if (
-        p.sequence_parallel
-        and cfg.cluster.device == "cpu"
-        and "sp" in be.parallel_dims
-        and not be.cpu_sequence_parallel
-    ):
-        yield _err(
-            "sp_cpu",
-            {"parallel.sequence_parallel": True, "cluster.device": "cpu"},
-            f"the {b} backend's sequence-parallel norms come from Transformer Engine or apex, which need CUDA",
-            "set parallel.sequence_parallel=false on CPU",
         )
     fixed = {k: v for k, v in be.rope_scaling_fixed if getattr(m.rope_scaling, k) != v}
     if m.rope_scaling.type != "none" and fixed:

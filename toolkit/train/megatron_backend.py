@@ -42,23 +42,40 @@ def _seed(seed: int) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
-def _loss(loss_mask: torch.Tensor, poison: bool, output: torch.Tensor):
-    """Mean token loss of one micro-batch (the schedule divides by the number of micro-batches).
+def _loss(loss_mask: torch.Tensor, tokens: torch.Tensor, poison: bool, output: torch.Tensor):
+    """This rank's share of one micro-batch's mean token loss (the schedule divides by the number
+    of micro-batches). With context parallel a rank holds part of every sequence: its token losses
+    are divided by the whole micro-batch's `tokens`, so the cp ranks' shares add up to the mean;
+    megatron-core's schedule multiplies by cp against DDP's gradient average over dp x cp
+    (schedules.forward_step_calc_loss, the two-value loss function).
     `poison` (train.fault.nan_at_step) makes it NaN before the backward pass, as a numerical fault
     would: NaN gradients follow."""
     mask = loss_mask.reshape(-1).float()
-    loss = torch.sum(output.float().reshape(-1) * mask) / mask.sum()
+    loss = torch.sum(output.float().reshape(-1) * mask) / tokens
     if poison:
         loss = loss * float("nan")
     return loss, {"lm loss": loss.detach().clone()}  # the schedule scales `loss` in place
 
 
+def _cp_share(batch: dict) -> dict:
+    """This context-parallel rank's two of the 2*cp load-balanced chunks of every sequence
+    (megatron-core's split, which its RoPE and TE's attention expect)."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_batch_on_this_cp_rank
+
+    if parallel_state.get_context_parallel_world_size() == 1:
+        return batch
+    return get_batch_on_this_cp_rank(dict(batch), False, parallel_state.get_context_parallel_group())
+
+
 def _forward_step(data_iterator, model, poison: bool = False):
     batch = next(data_iterator) if data_iterator is not None else None
     if batch is None:  # a middle pipeline stage: activations come from the previous stage
-        return model(None, None, None), partial(_loss, None, False)
+        return model(None, None, None), partial(_loss, None, None, False)
+    tokens = batch["loss_mask"].sum().float()  # the whole micro-batch's, before the cp split
+    batch = _cp_share(batch)
     output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output, partial(_loss, batch["loss_mask"], poison)
+    return output, partial(_loss, batch["loss_mask"], tokens, poison)
 
 
 def _local_grads_finite(model: list) -> bool:
@@ -283,16 +300,16 @@ class MegatronSteps:
             micro_batch_size=layout.micro_batch,
             forward_only=False,
         )
-        # Mean loss over micro-batches and data-parallel replicas, and the number of ranks with
-        # non-finite gradients, in one collective. With fp16 the loss scaler owns the gradient
-        # check (an overflow is routine there: the optimizer skips the step itself).
+        # Mean loss over micro-batches and data-parallel replicas (the cp ranks' shares add up),
+        # and the number of ranks with non-finite gradients, in one collective. With fp16 the loss
+        # scaler owns the gradient check (an overflow is routine there: the optimizer skips the step).
         local = torch.zeros((), device=self.device)
         if self.reports_loss and outputs:
             local = torch.stack([o["lm loss"] for o in outputs]).mean()
         grads_bad = 0.0 if self.config.fp16 or _local_grads_finite(model) else 1.0
         total = torch.stack([local.float(), torch.tensor(grads_bad, device=local.device)])  # NCCL: on the GPU
         torch.distributed.all_reduce(total)
-        return Gradients(total[0].item() / (layout.dp * layout.cp), None if self.config.fp16 else total[1].item() == 0)
+        return Gradients(total[0].item() / layout.dp, None if self.config.fp16 else total[1].item() == 0)
 
     def evaluate(self) -> float:
         """Forward only over the validation batches (Megatron-LM's evaluate: the same schedule with
@@ -319,7 +336,7 @@ class MegatronSteps:
             chunk.train()
         local = torch.stack(losses).mean().float() if losses else torch.zeros((), device=self.device)
         torch.distributed.all_reduce(local)
-        return local.item() / (layout.dp * layout.cp)
+        return local.item() / layout.dp
 
     def update(self) -> Update:
         updated, grad_norm, _ = self.optimizer.step()

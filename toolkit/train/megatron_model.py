@@ -7,30 +7,76 @@ output layer on the last chunk of the last stage.
 
 from __future__ import annotations
 
-import importlib.util
-
 import torch
 
+from toolkit.train import mcore_cpu
 from toolkit.train.megatron_configs import build_megatron_configs
 
 
+def have_transformer_engine() -> bool:
+    """Whether megatron-core itself found a working Transformer Engine (its HAVE_TE: the import
+    succeeded, not merely a package directory on the path)."""
+    mcore_cpu.import_shims()
+    from megatron.core.extensions.transformer_engine import HAVE_TE
+
+    return bool(HAVE_TE)
+
+
+class TorchNorm:
+    """torch LayerNorm or RMSNorm (megatron-core's WrappedTorchNorm) that also runs under sequence
+    parallel: its weights are marked `sequence_parallel`, as megatron-core's FusedLayerNorm marks
+    them (fusions/fused_layer_norm.py), so finalize_model_grads sums their gradients over the
+    tensor-parallel ranks, each of which saw only its share of the sequence."""
+
+    def __new__(cls, config, hidden_size: int, eps: float = 1e-5, **_unused):
+        norm_class = {"LayerNorm": torch.nn.LayerNorm, "RMSNorm": torch.nn.RMSNorm}[config.normalization]
+        norm = norm_class(hidden_size, eps=eps)
+        for param in norm.parameters():
+            param.sequence_parallel = config.sequence_parallel
+        return norm
+
+
 def layer_spec(transformer_config, sdpa: bool | None = None):
-    """Transformer Engine's layer spec when TE is importable on a GPU; else megatron-core's local
-    spec, with torch SDPA as core attention on a GPU (or when `sdpa` asks for it)."""
+    """The decoder layer's spec. Transformer Engine's when megatron-core has TE on a GPU (TE then
+    runs context parallel as ring attention, sliding windows and fp8); else megatron-core's local
+    spec, with torch norms that run under sequence parallel where apex's are absent, and torch
+    SDPA as core attention (toolkit.train.sdpa_attention) on a GPU, for context parallel, or when
+    `sdpa` asks for it."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
+    from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     on_gpu = torch.cuda.is_available()
-    if on_gpu and importlib.util.find_spec("transformer_engine") is not None:
+    if on_gpu and have_transformer_engine():
         return get_gpt_layer_with_transformer_engine_spec()
     spec = get_gpt_layer_local_spec(normalization=transformer_config.normalization)
-    if sdpa if sdpa is not None else on_gpu:
+    layer = spec.submodules
+    if layer.input_layernorm is WrappedTorchNorm:  # no apex
+        layer.input_layernorm = layer.pre_mlp_layernorm = TorchNorm
+    if sdpa if sdpa is not None else on_gpu or transformer_config.context_parallel_size > 1:
         from toolkit.train.sdpa_attention import SdpaAttention
 
-        spec.submodules.self_attention.submodules.core_attention = SdpaAttention
+        layer.self_attention.submodules.core_attention = SdpaAttention
     return spec
+
+
+def attention_kernel(spec) -> str:
+    """The core attention a layer spec runs, for the run's summary."""
+    core = getattr(spec.submodules.self_attention.submodules, "core_attention", None)
+    return getattr(core, "__name__", str(core))
+
+
+def _block_spec(transformer_config, layer, vp_stage):
+    """The chunk's layers and its final norm. TransformerBlock takes megatron-core's own norm for a
+    bare layer spec, which refuses sequence parallel without apex or TE: name the layer's."""
+    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+
+    if layer.submodules.input_layernorm is not TorchNorm:
+        return layer
+    count = get_num_layers_to_build(transformer_config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=TorchNorm)
 
 
 def build_model_chunks(sections: dict, transformer_config=None, spec=None) -> list:
@@ -45,21 +91,24 @@ def build_model_chunks(sections: dict, transformer_config=None, spec=None) -> li
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
-        chunks.append(
-            GPTModel(
-                config=transformer_config,
-                transformer_layer_spec=spec,
-                vocab_size=gpt["vocab_size"],
-                max_sequence_length=gpt["max_sequence_length"],
-                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-                parallel_output=gpt["parallel_output"],
-                share_embeddings_and_output_weights=gpt["share_embeddings_and_output_weights"],
-                position_embedding_type=gpt["position_embedding_type"],
-                rotary_base=int(gpt["rotary_base"]),
-                rope_scaling=gpt["rope_scaling"],
-                rope_scaling_factor=gpt["rope_scaling_factor"],  # None (unused) without scaling
-                vp_stage=stage,
-            )
+        chunk = GPTModel(
+            config=transformer_config,
+            transformer_layer_spec=_block_spec(transformer_config, spec, stage),
+            vocab_size=gpt["vocab_size"],
+            max_sequence_length=gpt["max_sequence_length"],
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            parallel_output=gpt["parallel_output"],
+            share_embeddings_and_output_weights=gpt["share_embeddings_and_output_weights"],
+            position_embedding_type=gpt["position_embedding_type"],
+            rotary_base=int(gpt["rotary_base"]),
+            rope_scaling=gpt["rope_scaling"],
+            rope_scaling_factor=gpt["rope_scaling_factor"],  # None (unused) without scaling
+            vp_stage=stage,
         )
+        if torch.cuda.is_available():
+            # Megatron-LM's get_model moves every chunk to the GPU: modules that megatron-core does
+            # not create on the device itself (torch norms, buffers) would stay on the host.
+            chunk.cuda(torch.cuda.current_device())
+        chunks.append(chunk)
     return chunks
