@@ -47,6 +47,20 @@ def test_validate_reports_every_error_with_fix_and_exits_2(tmp_path):
     assert "Traceback" not in result.stderr
 
 
+def test_train_refuses_a_package_this_machine_lacks_before_anything_starts_and_validate_lists_it(tmp_path):
+    """fp8 needs Transformer Engine, which this machine lacks: `train` (the machine that trains)
+    refuses it naming the package and writes nothing; `validate` (planning for elsewhere) lists it."""
+    fp8 = ["model=tiny", "cluster=1xh200", "precision=fp8", "data=synthetic"]
+    trained = parakit("train", *fp8, "hydra.run.dir=out", cwd=tmp_path)
+    assert trained.returncode == 2, trained.stdout + trained.stderr
+    assert "[package]" in trained.stderr and "pip install transformer-engine[pytorch]" in trained.stderr
+    assert "Traceback" not in trained.stderr and "starting" not in trained.stdout
+    assert not any((tmp_path / "out" / name).exists() for name in GENERATED)
+    planned = parakit("validate", *fp8, cwd=tmp_path)
+    assert planned.returncode == 0, planned.stderr
+    assert "needs on the machines that train: transformer-engine[pytorch]" in planned.stdout
+
+
 @pytest.mark.parametrize("override", ["parallel.tp=abc", "parallel.bogus=1", "model=nope", "zero=7"])
 def test_composition_errors_name_the_field_without_traceback(tmp_path, override):
     result = parakit("validate", override, cwd=tmp_path)

@@ -84,6 +84,8 @@ def test_layout_reproduces_single_process_training(reference, layout_runs, varia
     got = layout_runs(variant)
     assert_same_training(reference, got, TOLERANCE, grad_norm=variant != "zero0_dp2")  # ZeRO-0 reports none
     assert_stage_times(got, 2 if variant.startswith("pipeline") else 1)
+    # the emitted "torch_adam" on CPU (offloaded too): no FusedAdam or CPU Adam to compile
+    assert got.result["kernels"] == {"attention": "transformers sdpa", "adam": "torch.optim.adamw.AdamW"}
 
 
 def test_export_reproduces_the_loss_the_run_computed(tmp_path, reference):

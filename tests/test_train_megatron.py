@@ -93,6 +93,10 @@ def test_layout_reproduces_single_process_training(tmp_path, reference, layout):
     run, init = reference
     got = trained(tmp_path, layout, *COMMON, *LAYOUTS[layout], f"train.init_checkpoint={init}")
     assert_same_training(run, got, TOLERANCE)
+    # megatron-core's local attention refuses cp > 1: the summary names the attention that ran
+    attention = "SdpaAttention" if "parallel.cp=2" in LAYOUTS[layout] else "DotProductAttention"
+    assert got.result["kernels"]["attention"].endswith(f".{attention}"), got.result["kernels"]
+    assert got.result["kernels"]["adam"] == "torch.optim.adamw.AdamW"  # no apex or TE here
     assert_stage_times(got, next((int(o[len("parallel.pp=") :]) for o in LAYOUTS[layout] if "pp=" in o), 1))
 
 

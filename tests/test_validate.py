@@ -391,3 +391,24 @@ def test_layout_search_ignores_the_data_rules(compose):
     assert cfg.data.name == "corpus" and not validate(cfg).ok
     assert validate(cfg, data=False).ok
     assert search(cfg).ranked
+
+
+def test_a_package_an_option_needs_is_refused_only_where_it_is_missing_on_the_machine_that_trains(compose):
+    """fp8 needs Transformer Engine (megatron-core's local spec would run bf16 silently). Where the
+    run trains (`installed` given) a missing TE is an error naming the package; where it is
+    importable, none; planning elsewhere (no `installed`) lists it and refuses nothing."""
+    fp8 = compose(H100, "precision=fp8")
+    missing = validate(fp8, installed=lambda module: False)
+    hits = [v for v in missing.errors if v.rule == "package"]
+    assert hits and "precision.dtype" in str(hits[0]) and "transformer-engine[pytorch]" in hits[0].fix
+    assert "precision=bf16" in hits[0].fix
+    assert validate(fp8, installed=lambda module: module == "transformer_engine.pytorch").ok
+    planned = validate(fp8)
+    assert planned.ok and [p.install for p in planned.packages] == ["transformer-engine[pytorch]"]
+    assert "needs on the machines that train: transformer-engine[pytorch]" in str(planned)
+    bf16 = validate(compose(H100, "precision=bf16"), installed=lambda module: False)
+    assert bf16.ok and not bf16.packages  # context parallel, sequence parallel, windows: no TE needed
+    assert validate(
+        compose(H100, "parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"),
+        installed=lambda module: False,
+    ).ok

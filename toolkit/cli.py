@@ -101,11 +101,16 @@ def _summary(cfg, layout) -> str:
 
 
 def _checked_layout(command: str, cfg):
-    """Validate and print warnings, errors and the summary; the resolved layout, or None on errors."""
+    """Validate and print warnings, errors and the summary; the resolved layout, or None on errors.
+    `parakit train` on one node checks here, the machine that trains, that it imports the packages
+    the options need; elsewhere (planning, or a job's other nodes) the summary lists them."""
     from toolkit.plan.layout import resolve
     from toolkit.plan.validate import validate
 
-    report = validate(cfg)
+    installed = None
+    if command == "train" and cfg.cluster.nodes == 1:
+        from toolkit.train.capabilities import importable as installed
+    report = validate(cfg, installed=installed)
     for violation in report.warnings:
         print(violation, file=sys.stderr)
     if not report.ok:
@@ -115,6 +120,8 @@ def _checked_layout(command: str, cfg):
         return None, report
     layout = resolve(cfg)
     print(_summary(cfg, layout))
+    if report.packages and installed is None:
+        print(report.needs())
     return layout, report
 
 

@@ -28,6 +28,41 @@ class GradReduce(StrEnum):
 
 
 @dataclass(frozen=True)
+class Package:
+    """A package an option needs on the machines that train: without it megatron-core or DeepSpeed
+    would replace the option silently, or refuse it only once the ranks run."""
+
+    module: str  # what the run imports, e.g. "transformer_engine.pytorch"
+    install: str  # what to install, e.g. "transformer-engine[pytorch]"
+    field: str  # the option that needs it ...
+    value: str  # ... at this value
+    why: str
+    instead: str  # the option's alternative without the package
+
+    @property
+    def name(self) -> str:
+        return self.module.split(".")[0]
+
+    def needed(self, cfg) -> bool:
+        value = cfg
+        for key in self.field.split("."):
+            value = getattr(value, key)
+        return str(value) == self.value
+
+
+# megatron-core without TE builds its local spec, which has no fp8 GEMMs: the model would run in bf16
+# while the planner predicts fp8 speed (TransformerConfig(fp8=...) is honoured by TE's modules only).
+TRANSFORMER_ENGINE_FP8 = Package(
+    module="transformer_engine.pytorch",
+    install="transformer-engine[pytorch]",
+    field="precision.dtype",
+    value="fp8",
+    why="fp8 matrix multiplies and their scaling recipes are Transformer Engine's",
+    instead="precision=bf16",
+)
+
+
+@dataclass(frozen=True)
 class Backend:
     name: str
     summary: str
@@ -62,6 +97,8 @@ class Backend:
     async_save: bool
     hf_weights: bool  # starts from a Hugging Face model directory (model.hf_path)
     megatron_lm_entry: bool  # launch.sh can run Megatron-LM's pretrain_gpt.py instead of parakit's trainer
+    # Packages that options need where the run trains (checked there before any rank starts).
+    packages: tuple[Package, ...] = ()
 
     def effective_zero(self, stage: int) -> int:
         """The ZeRO stage this backend actually runs for `zero.stage` (the highest it has)."""
@@ -108,6 +145,8 @@ MEGATRON = Backend(
     async_save=True,
     hf_weights=True,  # read into each rank's chunks at any layout (toolkit.interop.hf_weights)
     megatron_lm_entry=True,
+    # Context parallel, sequence parallel and sliding windows run without TE (toolkit.train's local spec).
+    packages=(TRANSFORMER_ENGINE_FP8,),
 )
 
 DEEPSPEED = Backend(
@@ -157,6 +196,11 @@ def backend_named(name: str) -> Backend:
 def backend_of(cfg) -> Backend:
     """The description of the configuration's backend (`backend.name`)."""
     return backend_named(cfg.backend.name)
+
+
+def packages_needed(cfg) -> list[Package]:
+    """The packages the configuration's options need on the machines that train."""
+    return [package for package in backend_of(cfg).packages if package.needed(cfg)]
 
 
 def supporting(feature) -> list[str]:

@@ -72,6 +72,7 @@ def configured_estimate(cfg: Config) -> dict:
         "candidate": Candidate(cfg, layout, memory, step).describe(),
         "fits": memory.total <= cfg.cluster.gpu_memory_gb * 1e9,
         "warnings": [str(w) for w in report.warnings],
+        "packages": [p.install for p in report.packages],  # what the machines that train need
     }
 
 
@@ -128,6 +129,8 @@ def _print_text(cfg, result, path, configured, ckpt, top) -> None:
             f"{d['mfu']:.1%}"
         )
         print("  memory: " + ", ".join(f"{k} {v:.1f}" for k, v in d["memory_breakdown_gib"].items()) + " GiB")
+        if configured["packages"]:
+            print(f"  needs on the machines that train: {', '.join(configured['packages'])}")
     else:
         print("\nconfigured layout is not valid (the search below ignores it):")
         for error in configured["errors"]:

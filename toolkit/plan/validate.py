@@ -22,7 +22,7 @@ from typing import Callable, Iterator
 from toolkit.config.schema import TOKENIZER_VOCAB, Config, DataName
 from toolkit.data.manifest import parse_blend, read_manifest
 from toolkit.interop import hf_arch
-from toolkit.plan.backends import backend_of, supporting
+from toolkit.plan.backends import Package, backend_of, packages_needed, supporting
 from toolkit.plan.fit import memory_problem
 from toolkit.plan.layout import (
     Layout,
@@ -54,13 +54,21 @@ class Violation:
 class Report:
     errors: tuple[Violation, ...]
     warnings: tuple[Violation, ...]
+    packages: tuple[Package, ...] = ()  # what the options need on the machines that train
 
     @property
     def ok(self) -> bool:
         return not self.errors
 
+    def needs(self) -> str:
+        """One line naming the packages the machines that train need, or "" when none."""
+        if not self.packages:
+            return ""
+        listing = "; ".join(f"{p.install} ({p.field}={p.value}: {p.why})" for p in self.packages)
+        return f"needs on the machines that train: {listing}"
+
     def __str__(self) -> str:
-        lines = [str(v) for v in self.errors + self.warnings]
+        lines = [str(v) for v in self.errors + self.warnings] + [self.needs()] * bool(self.packages)
         return "\n".join(lines) if lines else "ok: no errors, no warnings"
 
 
@@ -924,16 +932,34 @@ def _memory(cfg: Config) -> Iterator[Violation]:
         yield severity("memory", problem.fields, problem.message, problem.fix)
 
 
-def validate(cfg: Config, *, data: bool = True, memory: bool = True) -> Report:
+def _missing_packages(cfg: Config, installed: Callable[[str], bool]) -> Iterator[Violation]:
+    """On the machine that trains: the packages the options need and this machine cannot import."""
+    for package in packages_needed(cfg):
+        if not installed(package.module):
+            yield _err(
+                "package",
+                {package.field: package.value},
+                f"{package.why}, and this machine cannot import {package.module}",
+                f"pip install {package.install} on the machines that train, or {package.instead}",
+            )
+
+
+def validate(
+    cfg: Config, *, data: bool = True, memory: bool = True, installed: Callable[[str], bool] | None = None
+) -> Report:
     """Every error and warning of `cfg`, at once. `data=False` leaves out the rules about the
     training data (the layout search: a layout does not depend on the data); `memory=False` the
-    memory check (the search weighs memory itself)."""
+    memory check (the search weighs memory itself). `installed(module)` says whether this machine
+    imports a module: given on the machine that trains, a package an option needs and this machine
+    lacks is an error; without it (planning elsewhere) the report lists what the options need."""
     errors = list(_ranges(cfg))
     if not any(e.rule == "range" for e in errors):  # the other rules divide by these values
         for rule in _ERROR_RULES:
             errors.extend(rule(cfg))
         if data:
             errors.extend(_data(cfg))
+        if installed is not None:
+            errors.extend(_missing_packages(cfg, installed))
     warnings = []
     if not errors and memory:
         found = list(_memory(cfg))
@@ -941,12 +967,13 @@ def validate(cfg: Config, *, data: bool = True, memory: bool = True) -> Report:
         warnings += [v for v in found if v.severity != ERROR]
     if not errors:
         warnings += list(_warnings(cfg, resolve(cfg)))
-    return Report(tuple(errors), tuple(warnings))
+    packages = () if any(e.rule == "range" for e in errors) else tuple(packages_needed(cfg))
+    return Report(tuple(errors), tuple(warnings), packages)
 
 
-def check(cfg: Config) -> tuple[Layout, Report]:
+def check(cfg: Config, installed: Callable[[str], bool] | None = None) -> tuple[Layout, Report]:
     """The resolved layout and the report's warnings; raises `ValidationError` on errors."""
-    report = validate(cfg)
+    report = validate(cfg, installed=installed)
     if not report.ok:
         raise ValidationError(report)
     return resolve(cfg), report

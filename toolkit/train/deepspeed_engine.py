@@ -186,6 +186,15 @@ class EngineSteps:
     def lr(self) -> float:
         return self.engine.get_lr()[0]
 
+    def kernels(self) -> dict:
+        """The attention transformers runs and the Adam DeepSpeed steps (FusedAdam, or torch's)."""
+        from toolkit.train.capabilities import qualified_name
+
+        attention = next(
+            (m.config._attn_implementation for m in self.engine.module.modules() if hasattr(m, "config")), None
+        )
+        return {"attention": f"transformers {attention}", "adam": qualified_name(type(self.engine.basic_optimizer))}
+
     def save(self, root: Path, step: int) -> float:
         c = self.cfg.checkpoint
         fault = self.cfg.train.fault

@@ -70,6 +70,9 @@ class BackendSteps(Protocol):
     def lr(self) -> float:
         """The learning rate now."""
 
+    def kernels(self) -> dict:
+        """What the run computes with, for its summary: {"attention": ..., "adam": ...}."""
+
     def save(self, root: Path, step: int) -> float:
         """A verified checkpoint of `step`; the seconds training was held up."""
 
@@ -135,7 +138,7 @@ def train(
     fault = cfg.train.fault
     resume = steps.load(root) if cfg.checkpoint.resume else Resume()
     steps.begin_at(resume.step)
-    metrics = Metrics(cfg, layout, run_dir, enabled=_rank() == 0, resume=resume)
+    metrics = Metrics(cfg, layout, run_dir, enabled=_rank() == 0, resume=resume, kernels=steps.kernels())
     watchdog = Watchdog(fault.watchdog_timeout_s)
     schedule = SaveSchedule(cfg, layout)
     nan_policy = NanPolicy(cfg, root, backend_name)

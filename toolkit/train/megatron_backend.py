@@ -350,6 +350,23 @@ class MegatronSteps:
     def lr(self) -> float:
         return self.optimizer.param_groups[0]["lr"]
 
+    def kernels(self) -> dict:
+        """The core attention the layer spec chose and the Adam megatron-core steps (TE's or apex's
+        FusedAdam, else torch's AdamW)."""
+        from toolkit.train.capabilities import qualified_name
+        from toolkit.train.megatron_model import have_transformer_engine
+
+        attention = next(
+            (type(m) for chunk in self.chunks for name, m in chunk.named_modules() if name.endswith("core_attention")),
+            None,
+        )
+        inner = getattr(self.optimizer, "chained_optimizers", [self.optimizer])[0].optimizer
+        return {
+            "attention": qualified_name(attention) if attention else None,
+            "adam": qualified_name(type(inner)),
+            "transformer_engine": have_transformer_engine(),
+        }
+
     def save(self, root: Path, step: int) -> float:
         c = self.cfg.checkpoint
         return save_checkpoint(

@@ -40,8 +40,17 @@ def _max_of(ranks: list[dict], key: str) -> float | None:
 
 
 class Metrics:
-    def __init__(self, cfg: Config, layout: Layout, run_dir: Path, enabled: bool, resume: Resume | None = None):
+    def __init__(
+        self,
+        cfg: Config,
+        layout: Layout,
+        run_dir: Path,
+        enabled: bool,
+        resume: Resume | None = None,
+        kernels: dict | None = None,
+    ):
         self.cfg, self.layout, self.enabled = cfg, layout, enabled
+        self.kernels = kernels or {}
         self.resume = resume or Resume()
         resume_step = self.resume.step
         flops = step_flops(
@@ -73,6 +82,8 @@ class Metrics:
                 from tqdm import tqdm
 
                 self._bar = tqdm(total=layout.last_step, desc="training", unit="step")
+            if self.kernels:
+                print("kernels: " + ", ".join(f"{k} {v}" for k, v in self.kernels.items()), flush=True)
             print(
                 f"planner: predicted step {self.predicted_step:.3g} s, peak memory {self.predicted_memory:.2f} GiB "
                 "per rank",
@@ -157,6 +168,7 @@ class Metrics:
             "mean_tokens_per_s": sum(r["tokens_per_s"] for r in self.history[1:]) / max(1, len(self.history) - 1),
             # which attempt of a torchrun-restarted job finished, and where it started from
             "restarts": local_restarts(),
+            "kernels": self.kernels,
             **self.resume.record(),
         }
         if ranks:

@@ -59,7 +59,9 @@ def run(cfg: Config, run_dir: Path) -> list[float]:
     returns the loss curve. The backend description names the module whose steps the loop drives."""
     from toolkit.train.probe import MemoryProbe
 
-    layout, _ = check(cfg)
+    from toolkit.train.capabilities import importable
+
+    layout, _ = check(cfg, installed=importable)  # on every node that trains
     backend = backend_of(cfg)
     memory = MemoryProbe(profile_tensors=cfg.train.profile_memory)  # before the model exists
     steps = importlib.import_module(backend.trainer).setup(cfg, layout)
@@ -69,12 +71,17 @@ def run(cfg: Config, run_dir: Path) -> list[float]:
 def run_to_exit_code(cfg: Config, run_dir: Path) -> int:
     """Train; a non-finite loss that stops the run (train.fault.nan_action=stop), Hugging Face
     weights that do not fit the model, or a checkpoint this layout cannot resume from, are
-    reported in one line, not as a traceback: 1."""
+    reported in one line, not as a traceback: 1; a configuration this node cannot train (a
+    package it lacks) with its errors: 2."""
     from toolkit.interop.hf_arch import HfConfigError
+    from toolkit.plan.validate import ValidationError
     from toolkit.train.checkpoint import ResumeError
 
     try:
         run(cfg, run_dir)
+    except ValidationError as error:  # e.g. a package this node lacks
+        print(f"parakit train: {error}", file=sys.stderr, flush=True)
+        return 2
     except (FloatingPointError, HfConfigError, ResumeError) as error:  # what and the fix
         print(f"parakit train: {error}", file=sys.stderr, flush=True)
         return 1
