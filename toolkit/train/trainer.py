@@ -57,9 +57,8 @@ def run(cfg: Config, run_dir: Path) -> list[float]:
     """Train `cfg` as this rank of the job (validated first: a ValidationError lists every error),
     writing checkpoints, metrics.jsonl, TensorBoard events and result.json under `run_dir`;
     returns the loss curve. The backend description names the module whose steps the loop drives."""
-    from toolkit.train.probe import MemoryProbe
-
     from toolkit.train.capabilities import importable
+    from toolkit.train.probe import MemoryProbe
 
     layout, _ = check(cfg, installed=importable)  # on every node that trains
     backend = backend_of(cfg)
