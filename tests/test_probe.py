@@ -54,6 +54,47 @@ def test_compute_timers_count_megatron_cores_compute_timers_only():
     assert timers.seconds == 0.0
 
 
+class _FakeEvent:
+    """torch.cuda.Event on CPU: records the host time; elapsed_time in milliseconds, as CUDA's."""
+
+    synchronized = 0
+
+    def __init__(self, enable_timing=False):
+        assert enable_timing
+        self.at = None
+
+    def record(self, stream=None):
+        self.at = time.perf_counter()
+
+    def synchronize(self):
+        _FakeEvent.synchronized += 1
+
+    def elapsed_time(self, end):
+        return (end.at - self.at) * 1000
+
+
+def test_on_a_gpu_the_compute_timers_never_synchronise_inside_the_step(monkeypatch):
+    """The CUDA branch, driven on CPU: every span is a pair of events on the stream; the device is
+    never synchronised while the step runs (a synchronize per micro-batch serialised compute with
+    communication), and reading the step's seconds waits for the last event once."""
+    device_syncs = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "Event", _FakeEvent)
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda *a, **k: device_syncs.append(1))
+    _FakeEvent.synchronized = 0
+    timers = ComputeTimers()
+    for _ in range(8):  # micro-batches
+        for name in ("forward-compute", "backward-compute"):
+            timers(name).start()
+            time.sleep(0.005)
+            timers(name).stop()
+    assert device_syncs == [] and _FakeEvent.synchronized == 0
+    assert 0.075 <= timers.seconds < 0.2  # 16 spans of 5 ms, summed from the events
+    assert _FakeEvent.synchronized == 1 and device_syncs == []
+    timers.reset()
+    assert timers.seconds == 0.0
+
+
 def test_a_stage_takes_its_slowest_rank_per_step_then_the_median_after_the_warm_up():
     ranks = [
         {"rank": 0, "stage": 0, "compute_s": [9.0, 1.0, 1.0, 1.2]},

@@ -83,7 +83,9 @@ LAYOUTS = {
     # each rank two of the sequence's four chunks, attending to the keys of both (all-gathered)
     "cp2": ["cluster.gpus_per_node=2", "parallel.cp=2"],
     "tp2_cp2": ["cluster.gpus_per_node=4", "parallel.tp=2", "parallel.cp=2"],
-    # the reference accumulates 8 micro-batches of 1; here each replica takes one of 4
+    # the reference accumulates 8 micro-batches of 1; here each replica takes one of 4. The
+    # distributed optimizer's all-gather overlaps the next forward (overlap_param_gather, on CPU
+    # too): saved without gathering first, the final parameters were 6e-5 RMS off (measured)
     "dp2_distributed_optimizer_no_accumulation": ["cluster.gpus_per_node=2", "zero=1", "train.micro_batch=4"],
 }
 

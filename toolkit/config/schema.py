@@ -247,6 +247,8 @@ class ZeroConfig:
     offload_optimizer: Offload = Offload.none
     offload_param: Offload = Offload.none  # stage 3 only
     nvme_path: Optional[str] = None
+    # Overlap the data-parallel communication with compute: DeepSpeed's overlap_comm (ZeRO 2/3),
+    # megatron-core's overlap_grad_reduce and, with the distributed optimizer, overlap_param_gather.
     overlap_comm: bool = True
     reduce_bucket_size: int = 500_000_000
     allgather_bucket_size: int = 500_000_000

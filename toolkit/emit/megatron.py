@@ -107,7 +107,10 @@ def _optimizer(cfg: Config, layout: Layout) -> dict:
 
 
 def _ddp(cfg: Config) -> dict:
-    overlap = cfg.cluster.device == "cuda"  # overlapping needs CUDA streams
+    # Gradient reduction and the distributed optimizer's parameter all-gather overlap with the
+    # backward and the next forward (Megatron-LM --overlap-grad-reduce --overlap-param-gather). On
+    # CPU too: gloo runs the collectives asynchronously, and the CPU path stays the GPU's path.
+    overlap = cfg.zero.overlap_comm
     distributed = cfg.zero.stage == 1
     return {
         "grad_reduce_in_fp32": cfg.precision.grad_reduce_in_fp32,

@@ -7,9 +7,8 @@ streams), so instead of patching call sites one by one:
 - a TorchFunctionMode maps CUDA devices to the CPU and makes .cuda()/.pin_memory() no-ops;
 - torch.cuda's device, stream, synchronisation and RNG functions get CPU stand-ins;
 - Tensor.type() reports "torch.cuda.*" where the optimizer checks for it.
-Two DistributedOptimizer fixes concern torch's Adam fallback (no apex / Transformer Engine):
-loading tolerates the missing per-parameter 'step', and each parameter gets its own 'step'
-tensor after a load (one shared tensor is incremented once per parameter: wrong bias correction).
+The resume fixes for torch's Adam are not CPU matters: toolkit.train.torch_adam installs them
+wherever megatron-core falls back to it.
 Callers must also set use_cpu_initialization=True, pipeline_dtype, and batch_p2p_comm=False
 (gloo pairs batched isend/irecv wrongly when the previous and next stage are one peer); the
 emitter does that for cluster.device=cpu.
@@ -131,33 +130,11 @@ def _fork_write_results_queue() -> None:
 
 
 def _patch_megatron() -> None:
-    from megatron.core.optimizer.distrib_optimizer import DistributedOptimizer
     from megatron.core.tensor_parallel import random as megatron_random
 
     megatron_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     megatron_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     _fork_write_results_queue()
-    if getattr(DistributedOptimizer, "_parakit_cpu", False):
-        return
-    set_states, load = DistributedOptimizer._set_main_param_and_optimizer_states, DistributedOptimizer.load_state_dict
-
-    class _Missing(dict):
-        def __missing__(self, key):
-            return None
-
-    def set_main_param_and_optimizer_states(self, main_param, tensors):
-        return set_states(self, main_param, _Missing(tensors))
-
-    def load_state_dict(self, state_dict):
-        result = load(self, state_dict)
-        for state in self.optimizer.state.values():
-            if isinstance(state.get("step"), torch.Tensor):
-                state["step"] = state["step"].clone()
-        return result
-
-    DistributedOptimizer._set_main_param_and_optimizer_states = set_main_param_and_optimizer_states
-    DistributedOptimizer.load_state_dict = load_state_dict
-    DistributedOptimizer._parakit_cpu = True
 
 
 def enable() -> None:

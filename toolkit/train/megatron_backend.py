@@ -6,6 +6,7 @@ Runs on NVIDIA GPUs with NCCL, and on CPU with gloo through toolkit.train.mcore_
 
 from __future__ import annotations
 
+import contextlib
 from functools import partial
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from toolkit.config.schema import Config
 from toolkit.emit.megatron import megatron_sections
 from toolkit.plan.layout import Layout
 from toolkit.train import checkpoint as ckpt
-from toolkit.train import mcore_cpu
+from toolkit.train import mcore_cpu, torch_adam
 from toolkit.train.data import build_datasets, eval_batches, micro_batches
 from toolkit.train.distributed import end_process_group, init_process_group
 from toolkit.train.loop import Gradients, Update
@@ -33,6 +34,14 @@ def _init_distributed(layout: Layout) -> None:
             f"launched with {world} processes but the layout needs {layout.world_size} "
             "(cluster.nodes x cluster.gpus_per_node)"
         )
+
+
+def prepare_megatron() -> None:
+    """megatron-core ready to train here: its CPU compatibility layer where CUDA is absent, and the
+    resume fixes for torch's Adam wherever megatron-core falls back to it (CPU or GPU)."""
+    mcore_cpu.enable()
+    if torch_adam.runs_torch_adam():
+        torch_adam.install_resume_fixes()
 
 
 def _seed(seed: int) -> None:
@@ -126,19 +135,6 @@ def _sharded_state(chunks, optimizer, is_loading: bool) -> dict:
     }
 
 
-def _seed_optimizer_states(optimizer) -> None:
-    """torch Adam (no apex/TE) creates its states at the first step, but the load template needs
-    them: give a fresh optimizer zero states of the right shapes."""
-    for inner in getattr(optimizer, "chained_optimizers", [optimizer]):
-        for group in inner.optimizer.param_groups:
-            for param in group["params"]:
-                state = inner.optimizer.state[param]
-                if not state:
-                    state.update(
-                        step=torch.tensor(0.0), exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param)
-                    )
-
-
 def save_checkpoint(
     root: Path,
     step: int,
@@ -190,7 +186,8 @@ def load_checkpoint(root: Path, chunks, optimizer, scheduler, layout: Layout, ve
     directory, unusable = ckpt.find_collectively(root, verify)
     if directory is None:
         return ckpt.Resume(unusable=unusable)
-    _seed_optimizer_states(optimizer)
+    if torch_adam.runs_torch_adam():
+        torch_adam.seed_states(optimizer)
     loaded = dist_checkpointing.load(_sharded_state(chunks, optimizer, is_loading=True), str(directory / "model_optim"))
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(loaded[f"chunk{i}"], strict=True)
@@ -210,7 +207,7 @@ class MegatronSteps:
     (distributed) optimizer and its scheduler, get_forward_backward_func's schedule."""
 
     def __init__(self, cfg: Config, layout: Layout):
-        mcore_cpu.enable()
+        prepare_megatron()
         from megatron.core import parallel_state
         from megatron.core.dist_checkpointing.strategies.async_utils import AsyncCallsQueue
         from megatron.core.distributed import DistributedDataParallel, finalize_model_grads
@@ -255,7 +252,7 @@ class MegatronSteps:
         if config.fp16:
             config.grad_scale_func = self.optimizer.scale_loss
         self.scheduler = OptimizerParamScheduler(self.optimizer, **sections["scheduler"])
-        self.config = config
+        self.config, self.ddp_config = config, ddp_config
         self.async_queue = AsyncCallsQueue() if cfg.checkpoint.async_save else None
         self.forward_backward_func = get_forward_backward_func()
         self.device = (
@@ -311,9 +308,40 @@ class MegatronSteps:
         torch.distributed.all_reduce(total)
         return Gradients(total[0].item() / layout.dp, None if self.config.fp16 else total[1].item() == 0)
 
+    def _sync_params(self) -> None:
+        """With overlap_param_gather the distributed optimizer's all-gather of the updated weights
+        runs inside the next forward (a pre-hook on every module): until then each rank holds only
+        its own shard of them. Gather them now (Megatron-LM training.py force_param_sync, before
+        every save)."""
+        if self.ddp_config.overlap_param_gather:
+            self.optimizer.prepare_model_params_for_param_sync()
+            for chunk in self.model:
+                chunk.start_param_sync(force_sync=True)
+
+    @contextlib.contextmanager
+    def _gathered_forward(self):
+        """Forward passes outside training (evaluation) on gathered weights, with the all-gather
+        pre-hooks off (Megatron-LM training.py: disable_forward_pre_hook around evaluate, which
+        synchronises the parameters, then enable_forward_pre_hook)."""
+        if not self.ddp_config.overlap_param_gather:
+            yield
+            return
+        self.optimizer.prepare_model_params_for_param_sync()
+        for chunk in self.model:
+            chunk.disable_forward_pre_hook(param_sync=True)
+        try:
+            yield
+        finally:
+            for chunk in self.model:
+                chunk.enable_forward_pre_hook()
+
     def evaluate(self) -> float:
         """Forward only over the validation batches (Megatron-LM's evaluate: the same schedule with
         forward_only=True, the model in eval mode)."""
+        with self._gathered_forward():
+            return self._evaluate()
+
+    def _evaluate(self) -> float:
         layout, model = self.layout, self.model
         iterators = [eval_batches(self.data.valid, layout, self.dp_rank) if self.needs_data else None for _ in model]
         for chunk in model:
@@ -369,6 +397,7 @@ class MegatronSteps:
 
     def save(self, root: Path, step: int) -> float:
         c = self.cfg.checkpoint
+        self._sync_params()
         return save_checkpoint(
             root,
             step,
