@@ -30,3 +30,27 @@ def test_a_gpu_without_te_builds_the_local_spec_with_sdpa_sequence_parallel_norm
     assert facts["core_attention"] == "SdpaAttention"
     assert facts["norms"] == ["RMSNorm"] and facts["norm_weights_marked"]
     assert facts["chunks_moved_to_gpu"] == 1  # Megatron-LM's get_model: torch norms are built on the host
+
+
+def test_every_rank_runs_with_one_device_queue_from_launch_sh_and_from_parakit_train(compose, monkeypatch, tmp_path):
+    """CUDA_DEVICE_MAX_CONNECTIONS=1 (megatron-core's TP/SP communication ordered with compute) and
+    NCCL's async error handling: in launch.sh, in torchrun's environment, and set in this process
+    when one rank trains here; megatron-core's warning about it is no longer silenced."""
+    from toolkit.emit.launch import launch_script
+    from toolkit.plan.layout import resolve
+    from toolkit.train import launch, trainer
+
+    gpu = compose("cluster=1xh200", "model=tiny")
+    expected = {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
+    for name in expected:  # unset here, and restored after the test (train_here sets them in os.environ)
+        monkeypatch.setenv(name, "")
+        monkeypatch.delenv(name)
+    assert expected.items() <= launch.torchrun_env(gpu).items()
+    script = launch_script(gpu, resolve(gpu))
+    assert all(f"export {k}={v}" in script for k, v in expected.items())
+    seen = {}
+    monkeypatch.setattr(trainer, "quiet_upstream_notices", lambda: None)
+    monkeypatch.setattr(trainer, "run_to_exit_code", lambda cfg, run_dir: seen.update(launch.os.environ) or 0)
+    assert launch.train_here(gpu, resolve(gpu), tmp_path) == 0
+    assert seen["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
+    assert not any("CUDA_DEVICE_MAX_CONNECTIONS" in noise for noise in trainer._NOISE)

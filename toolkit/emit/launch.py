@@ -15,6 +15,19 @@ RDZV_PORT = 29500
 # meet in the store the agents share under different attempts' keys, or read a dead rank's address
 # there, and hang or fail (pytorch#135712): each rendezvous round gets a fresh store instead.
 TORCHRUN_ENV = {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
+# Every rank's environment, the same from launch.sh and from `parakit train`: (name, value, why, devices).
+RANK_ENV = (
+    # megatron-core orders its tensor- and sequence-parallel communication with the compute kernels
+    # through a single hardware queue (megatron/core/tensor_parallel/layers.py warns without it)
+    ("CUDA_DEVICE_MAX_CONNECTIONS", "1", "Megatron: keep TP/SP comm ordered with compute", ("cuda", "cpu")),
+    ("TORCH_NCCL_ASYNC_ERROR_HANDLING", "1", "a dead peer fails the collective instead of hanging it", ("cuda",)),
+    ("DS_ACCELERATOR", "cpu", "DeepSpeed's CPU accelerator: gloo on CPU", ("cpu",)),
+)
+
+
+def rank_env(device: str) -> dict[str, str]:
+    """The environment variables every rank on `device` gets."""
+    return {name: value for name, value, _, devices in RANK_ENV if device in devices}
 # Preemption (toolkit.train.preemption): the batch shell asks the ranks to stop by writing REQUEST
 # in the run directory; rank 0 writes STOPPED once the checkpoint is published, and the shell requeues.
 REQUEST = "preempt.request"
@@ -183,13 +196,7 @@ def launch_script(cfg: Config, layout: Layout) -> str:
         body.append('RUN_DIR="${PARAKIT_RUN_DIR:-$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)}"')
     body.append("export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}")
     body.append(f"export {' '.join(f'{k}={v}' for k, v in TORCHRUN_ENV.items())}  # a fresh store per restart")
-    if c.device == "cpu":
-        body.append("export DS_ACCELERATOR=cpu  # gloo on CPU")
-    else:
-        body += [
-            "export CUDA_DEVICE_MAX_CONNECTIONS=1  # Megatron: keep TP/SP comm ordered with compute",
-            "export TORCH_NCCL_ASYNC_ERROR_HANDLING=1  # a dead peer fails the collective instead of hanging it",
-        ]
+    body += [f"export {name}={value}  # {why}" for name, value, why, devices in RANK_ENV if c.device in devices]
     body.append(_entry(cfg))
     restarts = f"--max-restarts ${{PARAKIT_MAX_RESTARTS:-{cfg.train.fault.max_restarts}}}"
     if c.nodes == 1:

@@ -14,7 +14,7 @@ import sys
 from pathlib import Path
 
 from toolkit.config.schema import Config
-from toolkit.emit.launch import TORCHRUN_ENV
+from toolkit.emit.launch import TORCHRUN_ENV, rank_env
 from toolkit.plan.layout import Layout
 
 
@@ -41,10 +41,8 @@ def torchrun_command(layout: Layout, run_dir: Path, nproc: int, max_restarts: in
 
 def torchrun_env(cfg: Config) -> dict[str, str]:
     """The environment torchrun runs in, as launch.sh sets it."""
-    env = {**os.environ, **TORCHRUN_ENV}
+    env = {**os.environ, **TORCHRUN_ENV, **rank_env(cfg.cluster.device)}
     env.setdefault("OMP_NUM_THREADS", "1")
-    if cfg.cluster.device == "cpu":
-        env["DS_ACCELERATOR"] = "cpu"
     return env
 
 
@@ -58,6 +56,8 @@ def train_here(cfg: Config, layout: Layout, run_dir: Path, detach: bool = False)
     if layout.world_size == 1 or "LOCAL_RANK" in os.environ:
         from toolkit.train.trainer import quiet_upstream_notices, run_to_exit_code
 
+        for name, value in rank_env(cfg.cluster.device).items():  # before CUDA starts in this process
+            os.environ.setdefault(name, value)
         quiet_upstream_notices()
         return run_to_exit_code(cfg, run_dir)
     env = torchrun_env(cfg)

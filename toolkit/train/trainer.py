@@ -24,7 +24,6 @@ _NOISE = (
     "Transformer Engine and Apex are not installed",
     "MimoModelConfig is experimental",
     "is not a leaf Tensor is being accessed",
-    "CUDA_DEVICE_MAX_CONNECTIONS",
     "reduce_scatter_tensor` is deprecated",
     "pad token id in the tokenizer collides",
     "absl.logging is not installed",
