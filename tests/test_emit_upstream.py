@@ -6,6 +6,7 @@ import itertools
 import logging
 
 import pytest
+import torch
 from upstream import deepspeed_accepts, megatron_accepts
 
 from toolkit.emit.deepspeed import deepspeed_config
@@ -98,6 +99,9 @@ def test_upstream_accepts_every_valid_composition(compose, model, cluster):
         assert ds.zero_optimization_stage == cfg.zero.stage
         assert ds.bfloat16_config.enabled == (cfg.precision.dtype == "bf16")
         assert ds.float16_config.enabled == (cfg.precision.dtype == "fp16")
+        if cfg.precision.dtype in ("bf16", "fp16"):  # grad_reduce_in_fp32 (the default), as megatron-core
+            assert ds.communication_data_type == torch.float32
+            assert ds.grad_accum_dtype == ("fp32" if cfg.zero.stage >= 1 else None)  # ZeRO-0: the model's
 
         transformer, optimizer, ddp = megatron_accepts(megatron_sections(cfg, layout))
         assert transformer.tensor_model_parallel_size == layout.tp

@@ -48,9 +48,14 @@ def test_model_states_match_megatron_and_zero_tables():
     # Megatron-LM dist_optimizer.md: bf16 params + fp32 grads: 18 bytes, distributed 6 + 12/d
     assert model_state_bytes(P, "bf16", "megatron", 0, d).total == pytest.approx(18 * P)
     assert model_state_bytes(P, "bf16", "megatron", 1, d).total == pytest.approx((6 + 12 / d) * P)
-    # ZeRO paper (Rajbhandari et al. 2020, Figure 1): 16, 4 + 12/d, 2 + 14/d, 16/d -- except that
-    # DeepSpeed also partitions stage-1 gradients (measured in test_memory_engines.py)
+    # ZeRO paper (Rajbhandari et al. 2020, Figure 1), 16-bit gradients: 16, 4 + 12/d, 2 + 14/d, 16/d --
+    # except that DeepSpeed also partitions stage-1 gradients (measured in test_memory_engines.py)
     for zero, expected in ((0, 16), (1, 2 + 14 / d), (2, 2 + 14 / d), (3, 16 / d)):
+        states = model_state_bytes(P, "bf16", "deepspeed", zero, d, grad_reduce_in_fp32=False)
+        assert states.total == pytest.approx(expected * P)
+    # fp32 gradients (grad_reduce_in_fp32): ZeRO-0 still accumulates in bf16; stage 1's BF16_Optimizer
+    # keeps a full fp32 buffer beside the bf16 gradients; stages 2 and 3 an fp32 partition
+    for zero, expected in ((0, 16), (1, 2 + 6 + 12 / d), (2, 2 + 16 / d), (3, 18 / d)):
         assert model_state_bytes(P, "bf16", "deepspeed", zero, d).total == pytest.approx(expected * P)
     assert model_state_bytes(P, "bf16", "deepspeed", 3, d, offload_optimizer=True, offload_param=True).total == 0
 

@@ -24,15 +24,16 @@ def live_tensor_bytes() -> int:
 
 def measure_cases(cases: list, cfgs: list, held_bytes, forget, out: str) -> None:
     """For each case: `held_bytes(cfg, baseline)` -> (bytes, parameters), then `forget()` what the
-    libraries keep of it; the live bytes must be back at the baseline before the next case.
-    Rank 0 writes one {"ranks", "params"} per case to `out`."""
+    libraries keep of it; the live bytes must be back at the baseline before the next case (the
+    last case may leave some: nothing is measured after it). Rank 0 writes one {"ranks", "params"}
+    per case to `out`."""
     baseline = live_tensor_bytes()
     measured = []
-    for overrides, cfg in zip(cases, cfgs):
+    for index, (overrides, cfg) in enumerate(zip(cases, cfgs)):
         held, params = held_bytes(cfg, baseline)
         forget()
         left = live_tensor_bytes() - baseline
-        assert left == 0, f"{overrides}: {left} bytes outlive the case"
+        assert left == 0 or index == len(cases) - 1, f"{overrides}: {left} bytes outlive the case"
         results = [None] * torch.distributed.get_world_size()
         torch.distributed.all_gather_object(results, {"rank": torch.distributed.get_rank(), "bytes": held})
         measured.append({"ranks": results, "params": params})

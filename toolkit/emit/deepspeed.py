@@ -46,10 +46,26 @@ def _zero_section(cfg: Config) -> dict:
     return section
 
 
+def _gradient_dtypes(cfg: Config) -> dict:
+    """precision.grad_reduce_in_fp32 as megatron-core runs it (fp32 main gradients, reduced in fp32),
+    in DeepSpeed's terms: `communication_data_type` for the reductions, and `data_types.grad_accum_dtype`
+    for the accumulation over micro-batches where a ZeRO optimizer keeps it (stages 1-3; ZeRO-1 in bf16
+    becomes DeepSpeed's BF16_Optimizer). Without them DeepSpeed reduces and accumulates in bf16/fp16.
+    ZeRO-0 accumulates in the model's dtype: DeepSpeed raises for any other (engine.py
+    _do_optimizer_sanity_check, "unsupported mix")."""
+    pr = cfg.precision
+    if pr.dtype == "fp32" or not pr.grad_reduce_in_fp32:
+        return {}
+    section: dict = {"communication_data_type": "fp32"}
+    if cfg.zero.stage >= 1:
+        section["data_types"] = {"grad_accum_dtype": "fp32"}
+    return section
+
+
 def _precision_section(cfg: Config) -> dict:
     pr = cfg.precision
     if pr.dtype == "bf16":
-        return {"bf16": {"enabled": True}}
+        return {"bf16": {"enabled": True}, **_gradient_dtypes(cfg)}
     if pr.dtype == "fp16":
         # DeepSpeed: loss_scale 0 means dynamic scaling starting at 2**initial_scale_power.
         return {
@@ -60,9 +76,23 @@ def _precision_section(cfg: Config) -> dict:
                 "loss_scale_window": pr.loss_scale_window,
                 "hysteresis": pr.hysteresis,
                 "min_loss_scale": pr.min_loss_scale,
-            }
+            },
+            **_gradient_dtypes(cfg),
         }
     return {}
+
+
+def _adam_kernel(cfg: Config) -> dict:
+    """Which Adam DeepSpeed steps. Its FusedAdam is JIT-compiled at the first run (nvcc and ninja:
+    minutes, or a failure where the CUDA toolkit does not match torch's); torch's AdamW runs the same
+    update with no build, on GPUs as its fused multi-tensor CUDA kernel. An optimizer offloaded to
+    the host keeps DeepSpeed's CPU Adam on GPU clusters (vectorised C++, built with the host compiler;
+    torch's is several times slower there); on a CPU cluster everything is torch's (no compiler)."""
+    if cfg.cluster.device == "cpu":
+        return {"torch_adam": True}
+    if cfg.zero.offload_optimizer != "none":
+        return {"torch_adam": False}
+    return {"torch_adam": True, "fused": True}
 
 
 def deepspeed_config(cfg: Config, layout: Layout) -> dict:
@@ -86,8 +116,7 @@ def deepspeed_config(cfg: Config, layout: Layout) -> dict:
                 "betas": [o.beta1, o.beta2],
                 "eps": o.eps,
                 "weight_decay": o.weight_decay,
-                # FusedAdam is a CUDA kernel; on CPU use torch.optim.AdamW (no JIT compile).
-                "torch_adam": cfg.cluster.device == "cpu",
+                **_adam_kernel(cfg),
             },
         },
     }

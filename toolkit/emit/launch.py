@@ -28,6 +28,8 @@ RANK_ENV = (
 def rank_env(device: str) -> dict[str, str]:
     """The environment variables every rank on `device` gets."""
     return {name: value for name, value, _, devices in RANK_ENV if device in devices}
+
+
 # Preemption (toolkit.train.preemption): the batch shell asks the ranks to stop by writing REQUEST
 # in the run directory; rank 0 writes STOPPED once the checkpoint is published, and the shell requeues.
 REQUEST = "preempt.request"

@@ -81,7 +81,11 @@ class Backend:
     pipeline_sliding_window: bool
     # Model and numerics.
     pads_vocab: bool  # embedding padded to make_vocab_size_divisible_by * tp (Megatron-LM)
-    fp32_grad_reduce: bool  # honours precision.grad_reduce_in_fp32 (fp32 main grads)
+    # precision.grad_reduce_in_fp32 in 16-bit training: every backend reduces in fp32; gradients are
+    # held (accumulated) in fp32 from this ZeRO stage on, ...
+    fp32_grads_from_stage: int | None
+    # ... and below this stage in a full (unsharded) fp32 copy beside the 16-bit gradients.
+    full_fp32_grads_below_stage: int | None
     fp32_master_from_stage: int | None  # keeps an fp32 master copy even for fp32 params from this ZeRO stage
     shards_grads_from_stage: int | None  # ZeRO stage from which gradients are sharded over dp
     shards_params_from_stage: int | None  # ... and parameters
@@ -127,7 +131,8 @@ MEGATRON = Backend(
     pipeline_tied_embeddings=True,
     pipeline_sliding_window=True,
     pads_vocab=True,
-    fp32_grad_reduce=True,
+    fp32_grads_from_stage=0,  # DDP's fp32 main_grad buffers
+    full_fp32_grads_below_stage=None,
     fp32_master_from_stage=None,
     shards_grads_from_stage=None,
     shards_params_from_stage=None,
@@ -164,7 +169,11 @@ DEEPSPEED = Backend(
     pipeline_tied_embeddings=False,
     pipeline_sliding_window=False,
     pads_vocab=False,  # transformers embeddings are not padded
-    fp32_grad_reduce=False,
+    # ZeRO-0 accumulates in the model's dtype (toolkit.emit.deepspeed); ZeRO-1 keeps a full fp32
+    # gradient buffer beside the 16-bit gradients (bf16: BF16_Optimizer's fp32_groups_gradients_flat;
+    # fp16: the stage-1 optimizer's grad_accum attribute); ZeRO-2/3 accumulate their fp32 partition.
+    fp32_grads_from_stage=1,
+    full_fp32_grads_below_stage=2,
     fp32_master_from_stage=1,
     shards_grads_from_stage=1,
     shards_params_from_stage=3,

@@ -9,7 +9,10 @@ Model states per parameter on a rank holding P parameters, data-parallel (shardi
   implements it (measured in tests/test_memory_engines.py): stage 0 all local; stages 1 and 2
   partition the fp32 master copy, the Adam states and the gradients (DeepSpeed reduces stage-1
   gradients into partitions like stage 2, unlike the paper's 4 + 12/d); stage 3 also the
-  parameters. Stages 1-3 keep an fp32 master partition even when training in fp32.
+  parameters. Stages 1-3 keep an fp32 master partition even when training in fp32. In 16-bit
+  with grad_reduce_in_fp32 (emitted as fp32 communication and accumulation), stage 1 holds a full
+  fp32 gradient buffer beside the 16-bit gradients (BF16_Optimizer: 4 + 2 per parameter, measured
+  on one rank), stages 2 and 3 an fp32 gradient partition (4/d, measured).
 Activations per layer follow Korthikanti et al. 2022, "Reducing Activation Recomputation in
 Large Transformer Models", section 4 (34 s b h + 5 a s^2 b bytes in fp16 with dropout),
 generalised to GQA, SwiGLU, dropout on/off, any dtype and flash attention (which stores no
@@ -61,20 +64,26 @@ def model_state_bytes(
     Megatron's distributed optimizer shards the optimizer states only)."""
     be = backend if isinstance(backend, Backend) else backend_named(backend)
     p = float(params)
+
+    def from_stage(stage: int | None) -> bool:
+        return stage is not None and zero >= stage
+
+    def sharded_from(stage: int | None) -> int:
+        return shard if from_stage(stage) else 1
+
+    fp32_grads = dtype != "fp32" and grad_reduce_in_fp32 and from_stage(be.fp32_grads_from_stage)
     if dtype == "fp32":
         weight, grad, master = 4, 4, 0
     else:
         weight, master = 2, 4
-        grad = 4 if (be.fp32_grad_reduce and grad_reduce_in_fp32) else 2
+        grad = 4 if fp32_grads else 2
     adam = 8
-
-    def sharded_from(stage: int | None) -> int:
-        return shard if stage is not None and zero >= stage else 1
-
     # DeepSpeed: stages >= 1 keep an fp32 master partition even for fp32 params.
-    master = 4 if be.fp32_master_from_stage is not None and zero >= be.fp32_master_from_stage else master
+    master = 4 if from_stage(be.fp32_master_from_stage) else master
     weights = weight * p / sharded_from(be.shards_params_from_stage)
     grads = grad * p / sharded_from(be.shards_grads_from_stage)
+    if fp32_grads and be.full_fp32_grads_below_stage is not None and zero < be.full_fp32_grads_below_stage:
+        grads = (4 + 2) * p  # the full fp32 buffer and the 16-bit gradients it accumulates
     optimizer = (master + adam) * p / sharded_from(1)
     if offload_optimizer and be.offload:
         optimizer = 0.0
@@ -195,11 +204,13 @@ def stage_memory(cfg: Config, layout: Layout, stage: int, flash: bool | None = N
         # allocate reduce_bucket_size elements whatever the model's size, ZeRO-2 twice with
         # overlap_comm (setup_buckets: "double buffers", one filling while the other reduces);
         # ZeRO-1 (no contiguous gradients, as parakit emits it) flattens its gradients a bucket
-        # at a time, so at most the stage's gradients.
+        # at a time, so at most the stage's gradients. Their elements are in the reduction's dtype
+        # (fp32 with grad_reduce_in_fp32: communication_data_type; measured at stage 3).
+        reduce_bytes = 4 if cfg.precision.grad_reduce_in_fp32 else nbytes
         if zero_stage == 1:
-            buffers += min(z.reduce_bucket_size, params.total) * nbytes
+            buffers += min(z.reduce_bucket_size, params.total) * reduce_bytes
         else:
-            buffers += (2 if z.overlap_comm and zero_stage == 2 else 1) * z.reduce_bucket_size * nbytes
+            buffers += (2 if z.overlap_comm and zero_stage == 2 else 1) * z.reduce_bucket_size * reduce_bytes
         # prefetched and live gathered parameters: at least one layer
         if backend.shards_params_from_stage is not None and zero_stage >= backend.shards_params_from_stage:
             buffers += max(z.stage3_prefetch_bucket_size, layer_params(m)) * nbytes

@@ -205,11 +205,8 @@ def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
     shard = dp * cp
     params = max(s.total for s in all_stage_params(m, layout.padded_vocab_size, tp, pp, layout.stage_layers))
     dp_bw = c.inter_node_bandwidth_gbs if _spans_nodes(cfg, shard, tp) else c.intra_node_bandwidth_gbs
-    grad_bytes = params * (
-        4
-        if cfg.precision.dtype == "fp32" or (backend.fp32_grad_reduce and cfg.precision.grad_reduce_in_fp32)
-        else nbytes
-    )
+    # Both backends reduce in fp32 with grad_reduce_in_fp32 (DeepSpeed's communication_data_type).
+    grad_bytes = params * (4 if cfg.precision.dtype == "fp32" or cfg.precision.grad_reduce_in_fp32 else nbytes)
     overlap = 1.0 if c.device == "cuda" else 0.0
     backward_window = (2 / 3) * per_microbatch * 0.9 * overlap  # the last bucket is never overlapped
     forward_window = (1 / 3) * per_microbatch * overlap
