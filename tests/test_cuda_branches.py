@@ -54,3 +54,33 @@ def test_every_rank_runs_with_one_device_queue_from_launch_sh_and_from_parakit_t
     assert launch.train_here(gpu, resolve(gpu), tmp_path) == 0
     assert seen["CUDA_DEVICE_MAX_CONNECTIONS"] == "1"
     assert not any("CUDA_DEVICE_MAX_CONNECTIONS" in noise for noise in trainer._NOISE)
+
+
+def test_on_a_gpu_allocated_memory_is_compared_with_tensors_and_reserved_with_the_allocators_share(
+    compose, monkeypatch, tmp_path
+):
+    """max_memory_allocated against the planner's tensors (no allocator allowance, no CUDA
+    context), max_memory_reserved against tensors plus fragmentation: both recorded per step."""
+    import torch
+
+    from toolkit.plan.layout import resolve
+    from toolkit.plan.memory import CUDA_RUNTIME_BYTES, GIB, peak_memory
+    from toolkit.report.sweep import _predicted
+    from toolkit.train.metrics import Metrics
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda *a: 3 * GIB)
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda *a: 4 * GIB)
+    cfg = compose("cluster=1xh200", "model=llama3_1b", "train.global_batch=16", "train.micro_batch=4")
+    layout = resolve(cfg)
+    planned = peak_memory(cfg, layout)
+    metrics = Metrics(cfg, layout, tmp_path, enabled=False)
+    metrics.step(1, 10.0, 1e-4, 1.0, False)
+    record = metrics.history[-1]
+    assert record["memory_gib"] == 3 and record["memory_reserved_gib"] == 4
+    assert record["predicted_memory_gib"] == pytest.approx(planned.tensors / GIB)
+    assert record["predicted_reserved_gib"] == pytest.approx(planned.reserved / GIB)
+    assert planned.tensors < planned.reserved < planned.total
+    assert planned.total - planned.reserved == CUDA_RUNTIME_BYTES
+    assert planned.total - planned.tensors == pytest.approx(planned.allowance)
+    assert _predicted(cfg, layout)["predicted_memory_gib"] == pytest.approx(planned.tensors / GIB)  # sweeps too

@@ -144,14 +144,26 @@ class MemoryEstimate:
     logits: float
     buffers: float
     allowance: float  # fragmentation + runtime
+    runtime: float = 0.0  # the part of the allowance outside PyTorch's allocator (CUDA context, NCCL)
 
     @property
     def model_states(self) -> float:
         return self.weights + self.grads + self.optimizer
 
     @property
+    def tensors(self) -> float:
+        """What tensors hold at the peak: compare with torch.cuda.max_memory_allocated."""
+        return self.model_states + self.activations + self.logits + self.buffers
+
+    @property
+    def reserved(self) -> float:
+        """What PyTorch's caching allocator holds at the peak: compare with max_memory_reserved."""
+        return self.total - self.runtime
+
+    @property
     def total(self) -> float:
-        return self.model_states + self.activations + self.logits + self.buffers + self.allowance
+        """What the device must have: reserved memory and the runtime's."""
+        return self.tensors + self.allowance
 
     def as_gib(self) -> dict:
         keys = ("weights", "grads", "optimizer", "activations", "logits", "buffers", "allowance")
@@ -214,9 +226,10 @@ def stage_memory(cfg: Config, layout: Layout, stage: int, flash: bool | None = N
         # prefetched and live gathered parameters: at least one layer
         if backend.shards_params_from_stage is not None and zero_stage >= backend.shards_params_from_stage:
             buffers += max(z.stage3_prefetch_bucket_size, layer_params(m)) * nbytes
-    allowance = FRAGMENTATION * (activations + logits + buffers) + (CUDA_RUNTIME_BYTES if on_gpu else 0.0)
+    runtime = CUDA_RUNTIME_BYTES if on_gpu else 0.0
+    allowance = FRAGMENTATION * (activations + logits + buffers) + runtime
     return MemoryEstimate(
-        stage, states.weights, states.grads, states.optimizer, activations, logits, buffers, allowance
+        stage, states.weights, states.grads, states.optimizer, activations, logits, buffers, allowance, runtime
     )
 
 

@@ -117,7 +117,8 @@ def _predicted(cfg: Config, layout: Layout) -> dict:
     return {
         "predicted_step_time_s": step.step_time,
         "predicted_tokens_per_s": step.tokens_per_s,
-        "predicted_memory_gib": peak_memory(cfg, layout).total / GIB,
+        # compared with what tensors held at the peak (the allocator's or the profiler's figure)
+        "predicted_memory_gib": peak_memory(cfg, layout).tensors / GIB,
     }
 
 

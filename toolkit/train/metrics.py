@@ -27,11 +27,15 @@ from toolkit.train.distributed import local_restarts
 from toolkit.train.probe import stage_times
 
 
-def peak_memory_gib() -> float:
-    """Peak CUDA memory of this process, or its resident set size on CPU."""
+def peak_memory_gib() -> dict:
+    """This process's peak memory: on a GPU what tensors held (max_memory_allocated) and what the
+    caching allocator held (max_memory_reserved); on CPU the resident set size."""
     if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / GIB
-    return psutil.Process().memory_info().rss / GIB
+        return {
+            "memory_gib": torch.cuda.max_memory_allocated() / GIB,
+            "memory_reserved_gib": torch.cuda.max_memory_reserved() / GIB,
+        }
+    return {"memory_gib": psutil.Process().memory_info().rss / GIB}
 
 
 def _max_of(ranks: list[dict], key: str) -> float | None:
@@ -60,7 +64,11 @@ class Metrics:
         self.tokens_per_step = flops.tokens
         self.peak = mfu_peak_flops(cfg)
         self.predicted_step = estimate_step(cfg, layout).step_time
-        self.predicted_memory = peak_memory(cfg, layout).total / GIB
+        # Like with like: allocated tensors with the planner's tensors, the allocator's reservation
+        # with its tensors plus fragmentation (the CUDA context and NCCL are outside both).
+        memory = peak_memory(cfg, layout)
+        self.predicted_memory, self.predicted_reserved = memory.tensors / GIB, memory.reserved / GIB
+        self.predicted_total = memory.total / GIB
         self.history: list[dict] = []  # one record per step
         self.evaluations: list[dict] = []  # {"step", "val_loss", "val_ppl"} per evaluation
         self._jsonl = self._tb = self._bar = None
@@ -85,8 +93,8 @@ class Metrics:
             if self.kernels:
                 print("kernels: " + ", ".join(f"{k} {v}" for k, v in self.kernels.items()), flush=True)
             print(
-                f"planner: predicted step {self.predicted_step:.3g} s, peak memory {self.predicted_memory:.2f} GiB "
-                "per rank",
+                f"planner: predicted step {self.predicted_step:.3g} s, peak memory {self.predicted_total:.2f} GiB "
+                f"per rank ({self.predicted_memory:.2f} GiB of tensors)",
                 flush=True,
             )
         self._last = time.perf_counter()
@@ -104,9 +112,10 @@ class Metrics:
             "tokens_per_s": self.tokens_per_step / seconds,
             "tflops_per_gpu": self.model_flops_per_step / seconds / self.layout.world_size / 1e12,
             "mfu": self.model_flops_per_step / seconds / self.layout.world_size / self.peak,
-            "memory_gib": peak_memory_gib(),
+            **peak_memory_gib(),
             "predicted_step_time_s": self.predicted_step,
             "predicted_memory_gib": self.predicted_memory,
+            **({"predicted_reserved_gib": self.predicted_reserved} if torch.cuda.is_available() else {}),
         }
         self.history.append(record)
         if not self.enabled:
@@ -124,12 +133,18 @@ class Metrics:
                 f"step {step:>5}/{self.layout.steps} | loss {loss:.4f} | lr {lr:.3e} | grad norm "
                 f"{grad_norm if grad_norm is None else f'{grad_norm:.3f}'} | {record['step_time_s']:.2f} s "
                 f"(planner {self.predicted_step:.2g} s) | {record['tokens_per_s']:,.0f} tok/s | "
-                f"{record['tflops_per_gpu']:.3g} TFLOP/s/GPU | MFU {record['mfu']:.1%} | "
-                f"{'GPU peak' if torch.cuda.is_available() else 'RSS'} {record['memory_gib']:.2f} GiB "
-                f"(planner {self.predicted_memory:.2f} GiB{'' if torch.cuda.is_available() else ' of tensors'})"
+                f"{record['tflops_per_gpu']:.3g} TFLOP/s/GPU | MFU {record['mfu']:.1%} | " + self._memory_text(record)
             )
             (self._bar.write if self._bar is not None else print)(line)
             sys.stdout.flush()
+
+    def _memory_text(self, record: dict) -> str:
+        if "memory_reserved_gib" in record:
+            return (
+                f"GPU peak {record['memory_gib']:.2f} GiB allocated (planner {self.predicted_memory:.2f}), "
+                f"{record['memory_reserved_gib']:.2f} GiB reserved (planner {self.predicted_reserved:.2f})"
+            )
+        return f"RSS {record['memory_gib']:.2f} GiB (planner {self.predicted_memory:.2f} GiB of tensors)"
 
     def evaluated(self, step: int, val_loss: float) -> None:
         """A validation loss: its own metrics.jsonl record, TensorBoard val/loss, a console line.

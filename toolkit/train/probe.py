@@ -136,7 +136,10 @@ class MemoryProbe:
 
     def peaks(self) -> dict:
         if torch.cuda.is_available():
-            return {"tensor_peak_gib": torch.cuda.max_memory_allocated() / GIB}
+            return {
+                "tensor_peak_gib": torch.cuda.max_memory_allocated() / GIB,
+                "reserved_peak_gib": torch.cuda.max_memory_reserved() / GIB,
+            }
         rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
         tensors = self.tensor_peak_bytes
         return {"tensor_peak_gib": None if tensors is None else tensors / GIB, "peak_rss_gib": rss / GIB}
