@@ -32,6 +32,13 @@ def test_a_gpu_without_te_builds_the_local_spec_with_sdpa_sequence_parallel_norm
     assert facts["chunks_moved_to_gpu"] == 1  # Megatron-LM's get_model: torch norms are built on the host
 
 
+def test_flash_attention_lets_transformer_engine_choose_its_fused_kernel(facts):
+    """train.attention_backend=flash is megatron-core's `auto` on GPUs: TE keeps cuDNN's fused
+    attention and FlashAttention both (megatron-core's `flash` forces NVTE_FUSED_ATTN=0)."""
+    assert facts["attention_backend"] == "auto"
+    assert facts["nvte"] == {"NVTE_FLASH_ATTN": "1", "NVTE_FUSED_ATTN": "1"}
+
+
 def test_every_rank_runs_with_one_device_queue_from_launch_sh_and_from_parakit_train(compose, monkeypatch, tmp_path):
     """CUDA_DEVICE_MAX_CONNECTIONS=1 (megatron-core's TP/SP communication ordered with compute) and
     NCCL's async error handling: in launch.sh, in torchrun's environment, and set in this process

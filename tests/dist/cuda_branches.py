@@ -52,7 +52,7 @@ os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT="0", RANK="0", WORLD_SIZE
 torch.distributed.init_process_group("gloo")
 parallel_state.initialize_model_parallel(1, 1)
 model_parallel_cuda_manual_seed(0)
-cfg = compose_config(["model=tiny", "cluster.gpus_per_node=1", "model.num_layers=2"])
+cfg = compose_config(["model=tiny", "cluster=1xh200", "precision=fp32", "model.num_layers=2"])  # as emitted for a GPU
 (chunk,) = build_model_chunks(megatron_sections(cfg, resolve(cfg)))
 layer = chunk.decoder.layers[0]
 facts["core_attention"] = type(layer.self_attention.core_attention).__name__
@@ -61,6 +61,8 @@ facts["norms"] = sorted(
 )
 facts["norm_weights_marked"] = all(hasattr(p, "sequence_parallel") for p in layer.input_layernorm.parameters())
 facts["chunks_moved_to_gpu"] = moved.count("GPTModel")
+facts["attention_backend"] = chunk.config.attention_backend.name
+facts["nvte"] = {k: os.environ.get(k) for k in ("NVTE_FLASH_ATTN", "NVTE_FUSED_ATTN")}
 parallel_state.destroy_model_parallel()
 torch.distributed.destroy_process_group()
 print(json.dumps(facts))

@@ -71,8 +71,11 @@ def _transformer(cfg: Config) -> dict:
         "masked_softmax_fusion": fused,
         "bias_dropout_fusion": fused,
         "apply_rope_fusion": False,
-        # The local (CPU) spec always runs unfused attention; on GPU the configured backend.
-        "attention_backend": cfg.train.attention_backend if fused else "unfused",
+        # parakit's "flash" is any fused kernel that stores no s x s scores: megatron-core's `auto` lets
+        # Transformer Engine pick FlashAttention or cuDNN's fused attention (its `flash` forces
+        # NVTE_FLASH_ATTN=1 NVTE_FUSED_ATTN=0: the separate flash-attn package, and no cuDNN attention
+        # on Hopper; models/common/language_module/language_module.py). On CPU: unfused.
+        "attention_backend": "auto" if fused and cfg.train.attention_backend == "flash" else "unfused",
         "recompute_granularity": None if r.granularity == "none" else r.granularity,
         "recompute_method": r.method if r.granularity == "full" else None,
         "recompute_num_layers": r.num_layers if r.granularity == "full" else None,

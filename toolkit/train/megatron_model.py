@@ -40,12 +40,13 @@ def layer_spec(transformer_config, sdpa: bool | None = None):
     """The decoder layer's spec. Transformer Engine's when megatron-core has TE on a GPU (TE then
     runs context parallel as ring attention, sliding windows and fp8); else megatron-core's local
     spec, with torch norms that run under sequence parallel where apex's are absent, and torch
-    SDPA as core attention (toolkit.train.sdpa_attention) on a GPU, for context parallel, or when
-    `sdpa` asks for it."""
+    SDPA as core attention (toolkit.train.sdpa_attention) on a GPU (unless train.attention_backend
+    is unfused), for context parallel, or when `sdpa` asks for it."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
     )
+    from megatron.core.transformer.enums import AttnBackend
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     on_gpu = torch.cuda.is_available()
@@ -55,7 +56,10 @@ def layer_spec(transformer_config, sdpa: bool | None = None):
     layer = spec.submodules
     if layer.input_layernorm is WrappedTorchNorm:  # no apex
         layer.input_layernorm = layer.pre_mlp_layernorm = TorchNorm
-    if sdpa if sdpa is not None else on_gpu or transformer_config.context_parallel_size > 1:
+    if sdpa is None:  # megatron-core's local attention cannot split the sequence; SDPA is fused on GPUs
+        fused = on_gpu and transformer_config.attention_backend != AttnBackend.unfused
+        sdpa = fused or transformer_config.context_parallel_size > 1
+    if sdpa:
         from toolkit.train.sdpa_attention import SdpaAttention
 
         layer.self_attention.submodules.core_attention = SdpaAttention
