@@ -1,84 +1,274 @@
-"""Train a ~1B model for a few dozen steps in bf16 on one GPU and print the measured throughput,
-MFU and peak memory beside the planner's prediction for the same layout.
+"""The first run on a GPU: what parakit measures on one NVIDIA GPU beside what its planner predicts,
+in one JSON file, each step under its own timeout (about 8 minutes in all).
 
-    python scripts/gpu_check.py                       # llama3_1b on 1xh200, 30 steps, bf16
-    python scripts/gpu_check.py --model tiny --cluster cpu --precision fp32 --seq 128 --steps 4   # plumbing on CPU
+    bash scripts/gpu_check.sh                 # on the GPU machine: installs .whl/ first (scripts/build_gpu_wheels.sh)
+    python scripts/gpu_check.py --cpu         # the same steps at toy size on CPU (the tests run it)
 
-The first steps (warm-up, allocator growth) are left out of the throughput median.
+Steps, in order (a step that fails or times out is recorded as such; the next ones still run):
+1. environment: the GPU, torch and CUDA, whether Transformer Engine, apex and flash-attn import,
+   megatron-core's HAVE_TE, DeepSpeed's version, nvcc.
+2. megatron: llama3_1b in bf16 (the distributed optimizer), 12 steps uninterrupted, then the same
+   run saved at step 6, stopped, and resumed: its steps 7-12 must equal the uninterrupted ones.
+3. deepspeed ZeRO-1 and ZeRO-3: the same model and batch in bf16.
+4. bench_overhead: parakit's loop against a bare megatron-core loop (scripts/bench_overhead.py).
+5. fused_adam_build: how long DeepSpeed's FusedAdam takes to JIT-compile here (parakit's GPU runs
+   use torch's fused AdamW instead, which needs no build).
+For every training run: median step time, tokens/s and MFU after the warm-up steps, peak memory
+allocated and reserved, each beside the planner's figure, and the attention and Adam it used.
+Results go to OUT/gpu_check.json (rewritten after every step) and every step's output to
+OUT/gpu_check.log; OUT is --out, else $OUT, else a new temporary directory.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parent.parent
+# Sizes: (model and batch overrides, steps, the step to save and resume at, warm-up steps left out)
+GPU = (
+    ["model=llama3_1b", "cluster=1xh200", "precision=bf16", "model.seq_length=2048"]
+    + ["train.global_batch=8", "train.micro_batch=2"],
+    12,
+    6,
+    4,
+)
+CPU = (
+    ["model=tiny", "model.num_layers=2", "cluster=cpu", "precision=fp32", "model.seq_length=64"]
+    + ["train.global_batch=4", "train.micro_batch=2"],
+    4,
+    2,
+    1,
+)
+COMMON = ["cluster.nodes=1", "cluster.gpus_per_node=1", "parallel=dp", "data=synthetic", "optim.warmup_steps=1"]
+# The resumed steps equal the uninterrupted ones: exactly in fp32 on CPU; in bf16 the GPU's
+# attention backward may add in another order (FlashAttention's atomics), within this of a loss near 10.
+RESUME_TOLERANCE = {"cpu": 0.0, "gpu": 1e-2}
 
-def main() -> int:
+
+def _environment() -> dict:
+    import shutil
+
+    import torch
+
+    from toolkit.train.capabilities import importable
+    from toolkit.train.megatron_model import have_transformer_engine
+
+    cuda = torch.cuda.is_available()
+    return {
+        "gpu": torch.cuda.get_device_name(0) if cuda else None,
+        "gpu_memory_gib": torch.cuda.get_device_properties(0).total_memory / 2**30 if cuda else None,
+        "torch": torch.__version__,
+        "cuda": torch.version.cuda,
+        "python": sys.version.split()[0],
+        "imports": {m: importable(m) for m in ("transformer_engine.pytorch", "apex", "flash_attn", "deepspeed")},
+        "megatron_have_te": have_transformer_engine(),
+        "deepspeed": __import__("deepspeed").__version__ if importable("deepspeed") else None,
+        "nvcc": shutil.which("nvcc"),
+    }
+
+
+def _fused_adam_build() -> dict:
+    import torch
+
+    if not torch.cuda.is_available():
+        return {"skipped": "no CUDA device: FusedAdam is a CUDA kernel"}
+    from deepspeed.ops.op_builder import FusedAdamBuilder
+
+    started = time.monotonic()
+    FusedAdamBuilder().load()
+    return {"build_s": time.monotonic() - started}
+
+
+WORKERS = {"environment": _environment, "fused_adam_build": _fused_adam_build}
+
+
+class Check:
+    """Runs the steps, each a subprocess under its own timeout, and keeps the JSON up to date."""
+
+    def __init__(self, out: Path, device: str):
+        self.out, self.device = out, device
+        self.results: dict = {"device": device, "steps": {}}
+        self.log = open(out / "gpu_check.log", "a")
+
+    def save(self) -> None:
+        tmp = self.out / ".gpu_check.json.tmp"
+        tmp.write_text(json.dumps(self.results, indent=2, default=str))
+        os.replace(tmp, self.out / "gpu_check.json")
+
+    def command(self, name: str, argv: list[str], timeout: float, stdout: Path | None = None) -> int | None:
+        """Run one command; its return code, or None when it timed out. Its output goes to the log
+        (its stdout to the file `stdout`, when given)."""
+        self.log.write(f"\n===== {name}: {' '.join(argv)}\n")
+        self.log.flush()
+        started = time.monotonic()
+        try:
+            with open(stdout, "w") if stdout else contextlib.nullcontext(self.log) as out:
+                code = subprocess.run(argv, cwd=ROOT, stdout=out, stderr=self.log, timeout=timeout).returncode
+        except subprocess.TimeoutExpired:
+            code = None
+        ended = "timed out" if code is None else f"exit {code}"
+        self.log.write(f"===== {name}: {ended} after {time.monotonic() - started:.0f} s\n")
+        self.log.flush()
+        return code
+
+    def step(self, name: str, timeout: float, run) -> None:
+        started = time.monotonic()
+        print(f"gpu_check: {name} (at most {timeout:.0f} s)", flush=True)
+        try:
+            figures = run(timeout)
+            status = "ok"
+        except StepFailed as failure:
+            figures, status = failure.figures, failure.status
+        except Exception as error:  # a result that is not what was expected: say so, go on
+            figures, status = {"error": f"{type(error).__name__}: {error}"}, "error"
+        self.results["steps"][name] = {"status": status, "seconds": round(time.monotonic() - started, 1), **figures}
+        self.save()
+        print(f"gpu_check: {name}: {status} in {time.monotonic() - started:.0f} s", flush=True)
+
+    def worker(self, name: str, timeout: float) -> dict:
+        result = self.out / f".{name}.json"
+        code = self.command(name, [sys.executable, __file__, "--worker", name, "--result", str(result)], timeout)
+        if code != 0:
+            raise StepFailed("timeout" if code is None else "failed", {})
+        return json.loads(result.read_text())
+
+    def train(self, name: str, run_dir: Path, overrides: list[str], timeout: float) -> dict:
+        argv = [sys.executable, "-m", "toolkit.cli", "train", *overrides, f"hydra.run.dir={run_dir}"]
+        code = self.command(name, argv, timeout)
+        if code != 0:
+            raise StepFailed("timeout" if code is None else "failed", {"exit_code": code})
+        return json.loads((run_dir / "result.json").read_text())
+
+
+class StepFailed(Exception):
+    def __init__(self, status: str, figures: dict):
+        super().__init__(status)
+        self.status, self.figures = status, figures
+
+
+def records(run_dir: Path) -> list[dict]:
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
+
+
+def figures(run_dir: Path, result: dict, skip: int) -> dict:
+    """Measured against predicted, medians over the steps after the warm-up."""
+    steps = records(run_dir)
+    timed = steps[skip:] or steps
+
+    def median(key):
+        return statistics.median(r[key] for r in timed)
+
+    step, predicted_step = median("step_time_s"), steps[-1]["predicted_step_time_s"]
+    out = {
+        "steps": len(steps),
+        "timed_steps": len(timed),
+        "step_time_s": step,
+        "predicted_step_time_s": predicted_step,
+        "tokens_per_s": median("tokens_per_s"),
+        "predicted_tokens_per_s": median("tokens_per_s") * step / predicted_step,
+        "mfu": median("mfu"),
+        "predicted_mfu": median("mfu") * step / predicted_step,
+        "memory_allocated_gib": max(r["memory_gib"] for r in steps),
+        "predicted_tensors_gib": steps[-1]["predicted_memory_gib"],
+        "first_loss": steps[0]["loss"],
+        "last_loss": steps[-1]["loss"],
+        "kernels": result.get("kernels"),
+    }
+    if "memory_reserved_gib" in steps[-1]:  # GPUs: the allocator's reservation too
+        out["memory_reserved_gib"] = max(r["memory_reserved_gib"] for r in steps)
+        out["predicted_reserved_gib"] = steps[-1]["predicted_reserved_gib"]
+    return out
+
+
+def megatron_resume(check: Check, size, timeout: float) -> dict:
+    """12 steps uninterrupted; then 12 steps saved at step 6, stopped there and resumed."""
+    overrides, steps, stop, skip = size
+    base = [*overrides, *COMMON, "backend=megatron", "zero=1", f"train.steps={steps}"]
+    deadline = time.monotonic() + timeout
+    whole = check.out / "megatron_whole"
+    result = check.train("megatron uninterrupted", whole, base, timeout)
+    measured = figures(whole, result, skip)
+    resumed = check.out / "megatron_resumed"
+    saving = [*base, f"checkpoint.interval_steps={stop}", "checkpoint.verify=size"]
+    for name, extra in (("megatron saved and stopped", [f"train.stop_after_steps={stop}"]), ("megatron resumed", [])):
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise StepFailed("timeout", measured)
+        check.train(name, resumed, [*saving, *extra], left)
+    reference = {r["step"]: r["loss"] for r in records(whole)}
+    again = {r["step"]: r["loss"] for r in records(resumed)}
+    if sorted(again) != sorted(reference):
+        raise StepFailed("failed", {**measured, "resumed_steps": sorted(again)})
+    difference = max(abs(again[s] - reference[s]) for s in reference)
+    tolerance = RESUME_TOLERANCE[check.device]
+    measured |= {"resumed_at_step": stop, "resume_max_loss_difference": difference, "resume_tolerance": tolerance}
+    if difference > tolerance:
+        raise StepFailed("failed", measured)
+    return measured
+
+
+def deepspeed_run(check: Check, size, zero: int, timeout: float) -> dict:
+    overrides, steps, _, skip = size
+    run_dir = check.out / f"deepspeed_zero{zero}"
+    argv = [*overrides, *COMMON, "backend=deepspeed", f"zero={zero}", f"train.steps={steps}"]
+    return figures(run_dir, check.train(f"deepspeed zero{zero}", run_dir, argv, timeout), skip)
+
+
+def bench_overhead(check: Check, timeout: float) -> dict:
+    """scripts/bench_overhead.py, shortened: one parakit and one bare megatron-core process."""
+    result = check.out / ".bench_overhead.json"
+    if check.device == "gpu":
+        short = ["--gpu", "--steps", "6", "--warmup", "2"]
+    else:  # the toy model of the CPU size
+        short = ["--steps", "2", "--warmup", "1", "--", "model.num_layers=2", "model.seq_length=64"]
+    argv = [sys.executable, "scripts/bench_overhead.py", "--json", "--repeats", "1", "--backend", "megatron", *short]
+    code = check.command("bench_overhead", argv, timeout, stdout=result)
+    if code != 0:
+        raise StepFailed("timeout" if code is None else "failed", {})
+    return json.loads(result.read_text())["megatron"]
+
+
+def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--model", default="llama3_1b")
-    parser.add_argument("--cluster", default="1xh200")
-    parser.add_argument("--precision", default="bf16")
-    parser.add_argument("--steps", type=int, default=30)
-    parser.add_argument("--seq", type=int, default=2048)
-    parser.add_argument("--micro", type=int, default=4)
-    parser.add_argument("--global-batch", type=int, default=16)
-    parser.add_argument("--skip", type=int, default=5, help="warm-up steps left out of the median")
-    parser.add_argument("overrides", nargs="*", help="further Hydra overrides")
-    args = parser.parse_args()
-    run_dir = Path(tempfile.mkdtemp(prefix="parakit-gpu-check-"))
-    overrides = [
-        f"model={args.model}",
-        f"cluster={args.cluster}",
-        "cluster.gpus_per_node=1",
-        "cluster.nodes=1",
-        f"precision={args.precision}",
-        "parallel=dp",
-        "zero=1",
-        "data=synthetic",
-        f"train.steps={args.steps}",
-        f"train.global_batch={args.global_batch}",
-        f"train.micro_batch={args.micro}",
-        f"model.seq_length={args.seq}",
-        "optim.warmup_steps=1",
-        f"train.log_interval={max(1, args.steps // 6)}",
-        f"hydra.run.dir={run_dir}",
-        *args.overrides,
-    ]
-    print("parakit train " + " ".join(overrides), flush=True)
-    if subprocess.run([sys.executable, "-m", "toolkit.cli", "train", *overrides]).returncode != 0:
-        return 1
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    measured = records[args.skip :] or records
-    tokens = statistics.median(r["tokens_per_s"] for r in measured)
-    mfu = statistics.median(r["mfu"] for r in measured)
-    step = statistics.median(r["step_time_s"] for r in measured)
-    memory = max(r["memory_gib"] for r in records)
-    predicted_step, predicted_memory = records[-1]["predicted_step_time_s"], records[-1]["predicted_memory_gib"]
-    predicted_tokens = tokens * step / predicted_step
-    print(
-        f"\n{args.model} on {args.cluster}, {args.precision}, micro {args.micro} x {args.global_batch // args.micro} "
-        "accum, "
-        f"seq {args.seq}: median of steps {args.skip + 1}-{len(records)}"
-    )
-    print(
-        f"  step time   measured {step:8.3f} s    planner {predicted_step:8.3f} s    ratio {step / predicted_step:5.2f}"
-    )
-    print(
-        f"  tokens/s    measured {tokens:8,.0f}      planner {predicted_tokens:8,.0f}      ratio "
-        f"{tokens / predicted_tokens:5.2f}"
-    )
-    print(f"  MFU         measured {mfu:8.1%}      planner {mfu * step / predicted_step:8.1%}")
-    print(
-        f"  peak memory measured {memory:8.2f} GiB  planner {predicted_memory:8.2f} GiB  ratio "
-        f"{memory / predicted_memory:5.2f}"
-    )
-    print(f"  losses: first {records[0]['loss']:.3f}, last {records[-1]['loss']:.3f}; run directory {run_dir}")
-    return 0
+    parser.add_argument("--cpu", action="store_true", help="the same steps at toy size on CPU (a dry run)")
+    parser.add_argument("--out", type=Path, help="where gpu_check.json and gpu_check.log go (default $OUT)")
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.worker:
+        args.result.write_text(json.dumps(WORKERS[args.worker]()))
+        return 0
+    import torch
+
+    if not args.cpu and not torch.cuda.is_available():
+        print(
+            "gpu_check: no CUDA device here (torch.cuda.is_available() is False); --cpu runs the dry run",
+            file=sys.stderr,
+        )
+        return 2
+    out = args.out or Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="parakit-gpu-check-"))
+    out.mkdir(parents=True, exist_ok=True)
+    check = Check(out, "cpu" if args.cpu else "gpu")
+    size = CPU if args.cpu else GPU
+    # Timeouts, seconds: about 8 minutes in all on the GPU (a 1B model: ~20 s to start, ~30 s to save).
+    check.step("environment", 60, lambda t: check.worker("environment", t))
+    check.step("megatron", 200, lambda t: megatron_resume(check, size, t))
+    for zero in (1, 3):
+        check.step(f"deepspeed_zero{zero}", 70, lambda t, zero=zero: deepspeed_run(check, size, zero, t))
+    check.step("bench_overhead", 90, lambda t: bench_overhead(check, t))
+    check.step("fused_adam_build", 60, lambda t: check.worker("fused_adam_build", t))
+    failed = [name for name, step in check.results["steps"].items() if step["status"] != "ok"]
+    print(f"gpu_check: results in {out / 'gpu_check.json'}" + (f"; not ok: {', '.join(failed)}" if failed else ""))
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":
