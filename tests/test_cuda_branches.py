@@ -91,3 +91,24 @@ def test_on_a_gpu_allocated_memory_is_compared_with_tensors_and_reserved_with_th
     assert planned.total - planned.reserved == CUDA_RUNTIME_BYTES
     assert planned.total - planned.tensors == pytest.approx(planned.allowance)
     assert _predicted(cfg, layout)["predicted_memory_gib"] == pytest.approx(planned.tensors / GIB)  # sweeps too
+
+
+def test_deepspeed_on_gpus_steps_torchs_fused_adamw_with_no_build(compose):
+    """DeepSpeed's FusedAdam is JIT-compiled with nvcc at the first run: the emitted JSON asks for
+    torch's AdamW as its fused CUDA kernel instead (DeepSpeed passes the remaining parameters to
+    torch.optim.AdamW: engine.get_optimizer_configuration), except for an optimizer offloaded to
+    the host, which keeps DeepSpeed's CPU Adam."""
+    import torch
+
+    from toolkit.emit.deepspeed import deepspeed_config
+    from toolkit.plan.layout import resolve
+
+    gpu = compose("cluster=1xh200", "model=tiny", "backend=deepspeed", "zero=1")
+    params = dict(deepspeed_config(gpu, resolve(gpu))["optimizer"]["params"])
+    assert params.pop("torch_adam") is True and params["fused"] is True
+    adamw = torch.optim.AdamW([torch.nn.Parameter(torch.zeros(2))], **params, foreach=None)
+    assert adamw.defaults["fused"] is True
+    offloaded = compose("cluster=1xh200", "model=tiny", "backend=deepspeed", "zero=2_offload")
+    assert deepspeed_config(offloaded, resolve(offloaded))["optimizer"]["params"]["torch_adam"] is False
+    cpu = compose("model=tiny", "backend=deepspeed")
+    assert "fused" not in deepspeed_config(cpu, resolve(cpu))["optimizer"]["params"]
