@@ -49,8 +49,8 @@ def test_the_megatron_run_resumes_at_its_checkpoint_to_the_same_curve(checked):
     megatron = steps["megatron"]
     assert megatron["resume_max_loss_difference"] == 0.0 and megatron["resumed_at_step"] == 2
     resumed = [json.loads(line) for line in (out / "megatron_resumed" / "metrics.jsonl").read_text().splitlines()]
-    assert [r["step"] for r in resumed] == [1, 2, 3, 4]  # steps 3 and 4 by the resumed process
-    assert "resumed from" in (out / "gpu_check.log").read_text()
+    assert [r["step"] for r in resumed] == [3, 4]  # from step 2's checkpoint: the run's step 4 one was removed
+    assert "step_00000002 at step 2" in (out / "gpu_check.log").read_text()
 
 
 @pytest.mark.parametrize("name", ["megatron", "deepspeed_zero1", "deepspeed_zero3"])

@@ -19,6 +19,7 @@ import hf_export
 import pytest
 from training_runs import (
     Tolerance,
+    assert_same_steps,
     assert_same_training,
     assert_stage_times,
     dist_checkpoint_parameters,
@@ -114,20 +115,24 @@ def test_parity_catches_doubled_gradients(tmp_path, reference):
 
 @pytest.mark.mutation
 @pytest.mark.parametrize(
-    "layout, mutation",
+    "layout, mutation, steps",
     [
-        # measured: the loss doubles (every cp rank adds the whole sequence's loss)
-        ("cp2", "cp_whole_sequence"),
-        # measured: loss +7.6e-6 and grad norm +1.6e-4 (relative) at step 2, the norms' final
-        # weights 1.6e-3 RMS away (each tp rank applied the gradient of its half of the sequence)
-        ("tp2_sequence_parallel_selective_recompute", "sp_norm_grads_not_summed"),
+        # measured: the loss doubles from step 1 (every cp rank adds the whole sequence's loss)
+        ("cp2", "cp_whole_sequence", 1),
+        # measured: at step 2 the loss moves by 7.6e-6 and the grad norm by 1.6e-4 (relative): each
+        # tp rank applied the gradient of its half of the sequence to the norms (after 4 steps their
+        # weights are 1.6e-3 RMS away)
+        ("tp2_sequence_parallel_selective_recompute", "sp_norm_grads_not_summed", 2),
     ],
 )
-def test_parity_catches_a_broken_sequence_split(tmp_path, reference, layout, mutation):
+def test_parity_catches_a_broken_sequence_split(tmp_path, reference, layout, mutation, steps):
     run, init = reference
-    got = trained(tmp_path, mutation, *COMMON, *LAYOUTS[layout], f"train.init_checkpoint={init}", mutation=mutation)
-    with pytest.raises(AssertionError, match="grad norm|loss|final parameters"):
-        assert_same_training(run, got, TOLERANCE)
+    stop = [f"train.stop_after_steps={steps}", "checkpoint.interval_steps=null"]  # the steps tell: no save
+    got = trained(
+        tmp_path, mutation, *COMMON, *LAYOUTS[layout], *stop, f"train.init_checkpoint={init}", mutation=mutation
+    )
+    with pytest.raises(AssertionError, match="grad norm|loss"):
+        assert_same_steps(run.through(steps), got, TOLERANCE)
 
 
 def test_bf16_trains_on_the_corpus(tmp_path):
