@@ -195,7 +195,7 @@ class ModelConfig:
 
     name: str = "tiny"
     family: Family = Family.llama  # the Hugging Face architecture it maps to
-    sliding_window: Optional[int] = None  # mistral: attend to the last N tokens only
+    sliding_window: Optional[int] = None  # mistral: attend to the last N tokens only (this one included)
     num_layers: int = 8
     hidden_size: int = 64
     num_attention_heads: int = 4

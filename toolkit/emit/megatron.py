@@ -62,7 +62,9 @@ def _transformer(cfg: Config) -> dict:
         "add_bias_linear": m.add_bias_linear,
         "add_qkv_bias": m.add_qkv_bias,
         "gated_linear_unit": swiglu,
-        "window_size": (m.sliding_window, 0) if m.sliding_window else None,  # (left, right) tokens
+        # (left, right): a query sees the keys i-left..i+right, left+1 tokens of the past; a model's
+        # sliding_window N (transformers' meaning, masking_utils.sliding_window_overlay) is N of them.
+        "window_size": (m.sliding_window - 1, 0) if m.sliding_window else None,
         "activation_func": "silu" if swiglu else str(m.activation),  # SwiGLU = silu gate (Shazeer 2020)
         "init_method_std": m.init_method_std,
         "attention_softmax_in_fp32": True,
