@@ -6,7 +6,7 @@ in one JSON file, each step under its own timeout (about 8 minutes in all).
 
 Steps, in order (a step that fails or times out is recorded as such; the next ones still run):
 1. environment: the GPU, torch and CUDA, whether Transformer Engine, apex and flash-attn import,
-   megatron-core's HAVE_TE, DeepSpeed's version, nvcc.
+   DeepSpeed's version, nvcc (megatron-core's own HAVE_TE is in the megatron run's kernels).
 2. megatron: llama3_1b in bf16 (the distributed optimizer), 12 steps saved at step 6; a second
    process resumes from that checkpoint: its steps 7-12 must equal the first run's.
 3. deepspeed ZeRO-1 and ZeRO-3: the same model and batch in bf16.
@@ -60,7 +60,6 @@ def _environment() -> dict:
     import torch
 
     from toolkit.train.capabilities import importable
-    from toolkit.train.megatron_model import have_transformer_engine
 
     cuda = torch.cuda.is_available()
     return {
@@ -70,7 +69,6 @@ def _environment() -> dict:
         "cuda": torch.version.cuda,
         "python": sys.version.split()[0],
         "imports": {m: importable(m) for m in ("transformer_engine.pytorch", "apex", "flash_attn", "deepspeed")},
-        "megatron_have_te": have_transformer_engine(),
         "deepspeed": __import__("deepspeed").__version__ if importable("deepspeed") else None,
         "nvcc": shutil.which("nvcc"),
     }
