@@ -932,9 +932,9 @@ def _memory(cfg: Config) -> Iterator[Violation]:
         yield severity("memory", problem.fields, problem.message, problem.fix)
 
 
-def _missing_packages(cfg: Config, installed: Callable[[str], bool]) -> Iterator[Violation]:
+def _missing_packages(packages: tuple[Package, ...], installed: Callable[[str], bool]) -> Iterator[Violation]:
     """On the machine that trains: the packages the options need and this machine cannot import."""
-    for package in packages_needed(cfg):
+    for package in packages:
         if not installed(package.module):
             yield _err(
                 "package",
@@ -953,13 +953,15 @@ def validate(
     imports a module: given on the machine that trains, a package an option needs and this machine
     lacks is an error; without it (planning elsewhere) the report lists what the options need."""
     errors = list(_ranges(cfg))
+    packages: tuple[Package, ...] = ()
     if not any(e.rule == "range" for e in errors):  # the other rules divide by these values
         for rule in _ERROR_RULES:
             errors.extend(rule(cfg))
         if data:
             errors.extend(_data(cfg))
+        packages = tuple(packages_needed(cfg))
         if installed is not None:
-            errors.extend(_missing_packages(cfg, installed))
+            errors.extend(_missing_packages(packages, installed))
     warnings = []
     if not errors and memory:
         found = list(_memory(cfg))
@@ -967,7 +969,6 @@ def validate(
         warnings += [v for v in found if v.severity != ERROR]
     if not errors:
         warnings += list(_warnings(cfg, resolve(cfg)))
-    packages = () if any(e.rule == "range" for e in errors) else tuple(packages_needed(cfg))
     return Report(tuple(errors), tuple(warnings), packages)
 
 
