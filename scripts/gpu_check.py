@@ -102,9 +102,9 @@ class Check:
         tmp.write_text(json.dumps(self.results, indent=2, default=str))
         os.replace(tmp, self.out / "gpu_check.json")
 
-    def command(self, name: str, argv: list[str], timeout: float, stdout: Path | None = None) -> int | None:
-        """Run one command; its return code, or None when it timed out. Its output goes to the log
-        (its stdout to the file `stdout`, when given)."""
+    def command(self, name: str, argv: list[str], timeout: float, stdout: Path | None = None) -> None:
+        """Run one command to success (StepFailed otherwise: "timeout" or "failed" with its exit
+        code). Its output goes to the log (its stdout to the file `stdout`, when given)."""
         self.log.write(f"\n===== {name}: {' '.join(argv)}\n")
         self.log.flush()
         started = time.monotonic()
@@ -116,7 +116,8 @@ class Check:
         ended = "timed out" if code is None else f"exit {code}"
         self.log.write(f"===== {name}: {ended} after {time.monotonic() - started:.0f} s\n")
         self.log.flush()
-        return code
+        if code != 0:
+            raise StepFailed("timeout" if code is None else "failed", {"exit_code": code})
 
     def step(self, name: str, timeout: float, run) -> None:
         started = time.monotonic()
@@ -134,16 +135,12 @@ class Check:
 
     def worker(self, name: str, timeout: float) -> dict:
         result = self.out / f".{name}.json"
-        code = self.command(name, [sys.executable, __file__, "--worker", name, "--result", str(result)], timeout)
-        if code != 0:
-            raise StepFailed("timeout" if code is None else "failed", {})
+        self.command(name, [sys.executable, __file__, "--worker", name, "--result", str(result)], timeout)
         return json.loads(result.read_text())
 
     def train(self, name: str, run_dir: Path, overrides: list[str], timeout: float) -> dict:
         argv = [sys.executable, "-m", "toolkit.cli", "train", *overrides, f"hydra.run.dir={run_dir}"]
-        code = self.command(name, argv, timeout)
-        if code != 0:
-            raise StepFailed("timeout" if code is None else "failed", {"exit_code": code})
+        self.command(name, argv, timeout)
         return json.loads((run_dir / "result.json").read_text())
 
 
@@ -231,9 +228,7 @@ def bench_overhead(check: Check, timeout: float) -> dict:
     else:  # the toy model of the CPU size
         short = ["--steps", "1", "--warmup", "1", "--", "model.num_layers=1", "model.seq_length=32"]
     argv = [sys.executable, "scripts/bench_overhead.py", "--json", "--repeats", "1", "--backend", "megatron", *short]
-    code = check.command("bench_overhead", argv, timeout, stdout=result)
-    if code != 0:
-        raise StepFailed("timeout" if code is None else "failed", {})
+    check.command("bench_overhead", argv, timeout, stdout=result)
     return json.loads(result.read_text())["megatron"]
 
 

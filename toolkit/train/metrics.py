@@ -115,8 +115,9 @@ class Metrics:
             **peak_memory_gib(),
             "predicted_step_time_s": self.predicted_step,
             "predicted_memory_gib": self.predicted_memory,
-            **({"predicted_reserved_gib": self.predicted_reserved} if torch.cuda.is_available() else {}),
         }
+        if "memory_reserved_gib" in record:  # GPUs: the allocator's reservation beside the planner's
+            record["predicted_reserved_gib"] = self.predicted_reserved
         self.history.append(record)
         if not self.enabled:
             return
