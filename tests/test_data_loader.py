@@ -136,6 +136,10 @@ _NODES_WITHOUT_SHARED_FILES = textwrap.dedent("""
             seen[case + " samples equal"] = tokens[0] == tokens[1]
             seen[case + " files"] = sorted(p.name for p in (Path(tmp) / directory).iterdir())
         Path(tmp, f"result-{rank}.json").write_text(json.dumps(seen))  # not stdout: the ranks' lines interleave
+        # Tear the group down before exiting: a gloo group left to the interpreter's exit can abort
+        # ("terminate called without an active exception", seen once in CI).
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
 
     if __name__ == "__main__":
         mp.spawn(rank_main, args=(sys.argv[1],), nprocs=2)
