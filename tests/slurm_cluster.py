@@ -27,7 +27,8 @@ def _debug_partition_up(env: dict) -> bool:
 
 def slurm_cluster(directory_factory):
     """Yields the environment in which sbatch reaches a cluster with partition debug."""
-    env = dict(os.environ)
+    # the jobs' ranks start cold, as on a real cluster: the launcher is these tests' subject
+    env = {name: value for name, value in os.environ.items() if name not in ("PYTHON_EXEC", "PARAKIT_WARM_RANKS")}
     if _debug_partition_up(env):
         yield env
         return
