@@ -9,10 +9,10 @@ from __future__ import annotations
 import csv
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from training_runs import parakit
 
 pytestmark = pytest.mark.slow
 
@@ -24,7 +24,7 @@ CRASH += ["train.fault.kill_rank=0", "train.fault.kill_at_step=2"]
 
 
 def sweep(directory, *args):
-    command = [sys.executable, "-m", "toolkit.cli", "sweep", *args, f"hydra.sweep.dir={directory}"]
+    command = parakit("sweep", *args, f"hydra.sweep.dir={directory}")
     return subprocess.run(command, capture_output=True, text=True, timeout=1200, cwd=directory.parent)
 
 
@@ -143,7 +143,7 @@ def test_optuna_searches_the_recorded_layouts_by_measured_throughput(swept):
 @pytest.fixture(scope="module")
 def scaled(tmp_path_factory):
     directory = tmp_path_factory.mktemp("scale") / "dp"
-    command = [sys.executable, "-m", "toolkit.cli", "scale", "--dim", "dp", "--ranks", "1..4", "--sweep-dir"]
+    command = parakit("scale", "--dim", "dp", "--ranks", "1..4", "--sweep-dir")
     args = [str(directory), *SHORT, "train.global_batch=2"]
     return directory, subprocess.run(command + args, capture_output=True, text=True, timeout=900)
 
@@ -174,7 +174,7 @@ def test_a_weak_scaling_curve_is_measured_and_judged_per_doubling(scaled, tmp_pa
 def test_plan_measure_reranks_the_top_layouts_and_sweep_from_plan_reuses_them(tmp_path):
     directory = tmp_path / "measured"
     common = [*SHORT, "cluster.gpus_per_node=2", "train.global_batch=8"]
-    plan = [sys.executable, "-m", "toolkit.cli", "plan", "--measure", "2", "--sweep-dir", str(directory), *common]
+    plan = parakit("plan", "--measure", "2", "--sweep-dir", str(directory), *common)
     done = subprocess.run(plan, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "re-ranked by measured throughput" in done.stdout

@@ -37,6 +37,12 @@ DEEPSPEED_SHORT = [
 ]
 
 
+def parakit(*args: str) -> list[str]:
+    """The command line of `parakit ARGS` in a subprocess: through the suite's warm Python
+    (tests/warm) where one runs, so a one-rank run trains without importing its libraries again."""
+    return [os.environ.get("PYTHON_EXEC", sys.executable), "-u", "-m", "toolkit.cli", *args]
+
+
 def run(tmp_path, name, *overrides, timeout=600, mutation=None, command="train"):
     """`parakit train OVERRIDES` (or another `command`) in tmp_path/name; the result carries
     .seconds and .run_dir. `mutation` injects one of the test-only defects of
@@ -49,7 +55,7 @@ def run(tmp_path, name, *overrides, timeout=600, mutation=None, command="train")
             PARAKIT_MUTATION=mutation, PYTHONPATH=os.pathsep.join(filter(None, [str(MUTANTS), env.get("PYTHONPATH")]))
         )
     result = subprocess.run(
-        [sys.executable, "-m", "toolkit.cli", command, *overrides, f"hydra.run.dir={run_dir}"],
+        parakit(command, *overrides, f"hydra.run.dir={run_dir}"),
         cwd=tmp_path,
         capture_output=True,
         text=True,

@@ -17,6 +17,7 @@ The server imports no parakit module: parakit reads some settings from the envir
 
 from __future__ import annotations
 
+import atexit
 import io
 import json
 import os
@@ -25,6 +26,7 @@ import select
 import signal
 import socket
 import sys
+import threading
 import traceback
 
 # Third-party packages a rank imports (their import is the cost shared); never toolkit.
@@ -237,6 +239,19 @@ def serve(path: str) -> Rank | None:
         conn.close()
 
 
+def _exit(code: int) -> None:
+    """End as Python ends (non-daemon threads joined, atexit handlers run, streams flushed), but
+    without tearing down the thousands of modules this process imported for the rank: ~1.5 s."""
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    for stream in (sys.stdout, sys.stderr):
+        try:
+            stream.flush()
+        except (OSError, ValueError):
+            pass
+    os._exit(code)
+
+
 if __name__ == "__main__":
     rank = serve(sys.argv[1])
-    sys.exit(rank.run())
+    _exit(rank.run())
