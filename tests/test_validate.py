@@ -412,3 +412,15 @@ def test_a_package_an_option_needs_is_refused_only_where_it_is_missing_on_the_ma
         compose(H100, "parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"),
         installed=lambda module: False,
     ).ok
+
+
+def test_a_missing_init_checkpoint_is_refused_before_any_rank_starts(compose, tmp_path):
+    """The ranks would each fail to load it; the validator names the field and the fix once."""
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for path, what in ((tmp_path / "nowhere", "no such directory"), (empty, "no metadata.json")):
+        errors = [e for e in validate(compose(f"train.init_checkpoint={path}")).errors if e.rule == "init_checkpoint"]
+        assert len(errors) == 1 and "train.init_checkpoint" in str(errors[0]) and what in str(errors[0]), errors
+        assert "parakit convert hf-to-megatron" in str(errors[0])
+    (empty / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    assert not [e for e in validate(compose(f"train.init_checkpoint={empty}")).errors if e.rule == "init_checkpoint"]

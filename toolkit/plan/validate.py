@@ -245,6 +245,27 @@ def _model(cfg: Config) -> Iterator[Violation]:
             f"set model.seq_length<={m.max_position_embeddings} (or raise max_position_embeddings for a new model)",
         )
     yield from _hf_path(cfg)
+    yield from _init_checkpoint(cfg)
+
+
+def _init_checkpoint(cfg: Config) -> Iterator[Violation]:
+    """train.init_checkpoint is a megatron-core dist checkpoint: its metadata.json is there
+    (megatron/core/dist_checkpointing/core.py, check_is_distributed_checkpoint), checked before any
+    rank starts instead of on every rank."""
+    path = cfg.train.init_checkpoint
+    if path and not (Path(path) / "metadata.json").is_file():
+        what = (
+            "no such directory"
+            if not Path(path).is_dir()
+            else "no megatron-core dist checkpoint there (no metadata.json)"
+        )
+        yield _err(
+            "init_checkpoint",
+            {"train.init_checkpoint": path},
+            what,
+            "point it at a directory train.save_init_checkpoint wrote, or convert Hugging Face weights: "
+            "parakit convert hf-to-megatron HF_DIR --output DIR",
+        )
 
 
 def _hf_path(cfg: Config) -> Iterator[Violation]:
