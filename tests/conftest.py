@@ -12,6 +12,8 @@ os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed: no GPU probing in t
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
 warnings.filterwarnings("ignore", message=".*absl.logging is not installed.*")
 
+from warm.server import WARM_ENV, ranks_dir  # noqa: E402
+
 from toolkit.config.store import compose_config  # noqa: E402
 
 WARM = Path(__file__).parent / "warm"
@@ -51,9 +53,9 @@ def warm_ranks(tmp_path_factory):
         server = subprocess.Popen([sys.executable, str(WARM / "server.py"), str(socket_path)], env=env,
                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
     # set now: until the server is ready (~10 s) a client runs its rank cold
-    os.environ.update(PYTHON_EXEC=str(client), PARAKIT_WARM_RANKS=str(socket_path))
+    os.environ.update(zip(WARM_ENV, (str(client), str(socket_path))))
     yield socket_path
-    for name in ("PYTHON_EXEC", "PARAKIT_WARM_RANKS"):
+    for name in WARM_ENV:
         os.environ.pop(name, None)
     os.killpg(server.pid, signal.SIGKILL)
     server.wait()
@@ -62,7 +64,7 @@ def warm_ranks(tmp_path_factory):
 def _processes_naming(text: str, warm_socket) -> list[str]:
     """Processes whose command line names `text`, and warm ranks (tests/warm) running such a command."""
     found = subprocess.run(["pgrep", "-f", text], capture_output=True, text=True).stdout.split()
-    directory = Path(f"{warm_socket}.ranks") if warm_socket else None
+    directory = Path(ranks_dir(str(warm_socket))) if warm_socket else None
     for record in directory.iterdir() if directory and directory.is_dir() else ():
         try:
             alive = Path("/proc", record.name).exists() and text in record.read_text()

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 import pytest
+from warm.server import WARM_ENV
 
 SLURM_LOCAL = Path(__file__).resolve().parents[1].parent / "shared" / "reference" / "slurm-local"
 
@@ -28,7 +29,7 @@ def _debug_partition_up(env: dict) -> bool:
 def slurm_cluster(directory_factory):
     """Yields the environment in which sbatch reaches a cluster with partition debug."""
     # the jobs' ranks start cold, as on a real cluster: the launcher is these tests' subject
-    env = {name: value for name, value in os.environ.items() if name not in ("PYTHON_EXEC", "PARAKIT_WARM_RANKS")}
+    env = {name: value for name, value in os.environ.items() if name not in WARM_ENV}
     if _debug_partition_up(env):
         yield env
         return

@@ -19,7 +19,7 @@ import pytest
 import yaml
 from training_runs import parakit
 
-from toolkit.reproduce.baseline import Baseline, Measured
+from toolkit.reproduce.baseline import Baseline, Measured, hardware_class, load
 from toolkit.reproduce.compare import compare, correlation
 from toolkit.reproduce.layouts import LayoutError, parse_layout, variants
 from toolkit.reproduce.run import _differences
@@ -188,18 +188,11 @@ def test_the_zero3_recipe_reproduces_its_golden_curve(tmp_path):
     report = json.loads((tmp_path / "run" / "reproduce.json").read_text())
     assert report["pass"] and [r["step"] for r in report["loss"]["steps"]] == [1, 2, 3, 4]
     assert report["loss"]["not_reached"][0] == 5 and (tmp_path / "run" / "reproduce.png").stat().st_size > 10_000
-    from toolkit.reproduce.baseline import hardware_class
-
-    if (
-        hardware_class("cpu")
-        in yaml.safe_load((REPO / "toolkit/conf/baselines/tiny_cpu_zero3.yaml").read_text())["hardware"]
-    ):
+    machine = hardware_class("cpu")
+    if machine in load(REPO / "toolkit/conf/baselines/tiny_cpu_zero3.yaml").hardware:
         assert "note: throughput not judged: the median of 2 timed step(s)" in done.stdout  # memory still is
     else:  # another machine than the one the baseline was recorded on
-        assert (
-            f"throughput and memory not compared: the baseline was not recorded on {hardware_class('cpu')}"
-            in done.stdout
-        )
+        assert f"throughput and memory not compared: the baseline was not recorded on {machine}" in done.stdout
     from toolkit.cli import main  # `parakit report` shows the comparison
 
     assert main(["report", str(tmp_path / "run"), "--output", str(tmp_path / "report")]) == 0

@@ -29,6 +29,9 @@ import sys
 import threading
 import traceback
 
+# The environment variables that send a process's torchrun ranks (and tests/training_runs.parakit)
+# to the server: the client's path and the server's socket.
+WARM_ENV = ("PYTHON_EXEC", "PARAKIT_WARM_RANKS")
 # Third-party packages a rank imports (their import is the cost shared); never toolkit.
 PRELOAD = (
     "torch",

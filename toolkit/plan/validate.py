@@ -255,9 +255,7 @@ def _init_checkpoint(cfg: Config) -> Iterator[Violation]:
     path = cfg.train.init_checkpoint
     if path and not (Path(path) / "metadata.json").is_file():
         what = (
-            "no such directory"
-            if not Path(path).is_dir()
-            else "no megatron-core dist checkpoint there (no metadata.json)"
+            "no megatron-core dist checkpoint there (no metadata.json)" if Path(path).is_dir() else "no such directory"
         )
         yield _err(
             "init_checkpoint",
