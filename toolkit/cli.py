@@ -294,6 +294,12 @@ def _reproduce(cfg, opts) -> int:
     return reproduce(cfg, opts, recipe, list(hc.overrides.task), dirs, lambda c: _write_run_dir("reproduce", c))
 
 
+def _probe(cfg, opts) -> int:
+    from toolkit.report.probe import probe_command
+
+    return probe_command(opts)
+
+
 def _calibrate(cfg, opts) -> int:
     from toolkit.plan.calibrate import run_calibrate
 
@@ -450,6 +456,20 @@ COMMANDS = {
                 Option(("--threshold",), dict(type=float, default=1.6, metavar="X", help="gain per 2x (default 1.6)")),
                 *SWEEP_OPTIONS,
                 Option(("--sweep-dir",), dict(metavar="DIR", help="default: scale/MODEL-DIM-MODE")),
+            ),
+        ),
+        Command(
+            "probe",
+            "measure this machine for the planner: matrix multiplies over the shapes models use, memory "
+            "bandwidth, gloo collectives among local ranks, each backend's per-layer and per-step costs; "
+            "cached for the default cpu cluster (re-measured when the machine changes) and written as a "
+            "cluster file usable as cluster=NAME",
+            _probe,
+            hydra=False,
+            options=(
+                Option(("--force",), dict(action="store_true", help="measure again even if this machine is cached")),
+                Option(("--output", "-o"), dict(default="probe", metavar="CONFIG_DIR", help="default: ./probe")),
+                Option(("--name",), dict(default="this_machine", metavar="NAME", help="default: this_machine")),
             ),
         ),
         Command(

@@ -349,6 +349,16 @@ class TrainConfig:
 
 
 @dataclass
+class StackCosts:
+    """What one backend's software stack costs on a cluster beside the work the planner models
+    (operator dispatch, Python, the loss's own kernels), measured by `parakit probe` on one rank."""
+
+    layer_s: float = 0.0  # per layer and micro-batch, forward and backward
+    loss_s_per_logit: float = 0.0  # the loss, forward and backward, per logit (token x vocab entry)
+    step_s: float = 0.0  # per optimizer step (optimizer launch, bookkeeping)
+
+
+@dataclass
 class SlurmConfig:
     """What a multi-node launch.sh asks Slurm for (sbatch's options of the same names)."""
 
@@ -394,7 +404,17 @@ class ClusterConfig:
     # Bandwidth per device, GB/s in one direction.
     intra_node_bandwidth_gbs: float = 10.0
     inter_node_bandwidth_gbs: float = 1.0
+    # Latency of one step of a ring collective (the alpha of the alpha-beta model): NCCL's
+    # all-reduce of a small message takes ~20 us on 8 GPUs, 14 ring steps (nccl-tests).
+    collective_latency_s: float = 1.5e-6
+    # Point-to-point sends (pipeline activations): latency, and bandwidth (null: the link's).
+    p2p_latency_s: float = 20e-6
+    p2p_bandwidth_gbs: Optional[float] = None
     hbm_bandwidth_gbs: float = 20.0  # device memory bandwidth (memory-bound ops)
+    # How fast a new large tensor is first written where the allocator maps fresh pages for it
+    # (CPU: glibc maps tensors over 32 MiB afresh, and each page faults in); null: allocations
+    # reuse memory (the GPU caching allocator).
+    fresh_memory_gbs: Optional[float] = None
     # Fraction of peak a large, well-shaped GEMM reaches (a measured matmul benchmark).
     gemm_efficiency: float = 0.8
     # A GEMM dimension at which a tile-based kernel reaches half its large-shape efficiency: 128
@@ -412,6 +432,8 @@ class ClusterConfig:
     # CPU clusters: the cores one node's ranks share (one thread per rank); more ranks than cores
     # time-share them. null: this machine's core count.
     cores_per_node: Optional[int] = None
+    # backend name -> its stack's costs; none: the planner's work model alone (datasheet clusters)
+    stack: dict[str, StackCosts] = field(default_factory=dict)
     gpu_mtbf_hours: float = 50_000.0  # mean time between failures of one device
     checkpoint_write_gbs_per_node: float = 2.0  # sustained checkpoint write bandwidth per node
     slurm: SlurmConfig = field(default_factory=SlurmConfig)  # multi-node runs: what sbatch asks for

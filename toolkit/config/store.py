@@ -28,7 +28,8 @@ from hydra.errors import HydraException, MissingConfigException
 from omegaconf import OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
-from toolkit.config.schema import Config
+from toolkit.config import machine
+from toolkit.config.schema import Config, StackCosts
 from toolkit.interop import hf_arch
 
 SCHEMA_NAME = "parakit_schema"
@@ -47,10 +48,13 @@ class UnknownOptionError(MissingConfigException):
 
 def register_schema() -> None:
     """Put the typed schema in Hydra's ConfigStore under the name config.yaml's defaults use, and
-    register the `${hf:FIELD,DIR}` resolver (a field of DIR/config.json: conf/model/hf.yaml)."""
+    register the `${hf:FIELD,DIR}` resolver (a field of DIR/config.json: conf/model/hf.yaml) and
+    `${probed:FIELD,GUESS}` (this machine's measured constants: conf/cluster/cpu.yaml)."""
     ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
     if not OmegaConf.has_resolver("hf"):
         OmegaConf.register_new_resolver("hf", hf_arch.field)
+    if not OmegaConf.has_resolver("probed"):
+        OmegaConf.register_new_resolver("probed", machine.probed)
 
 
 def conf_dir() -> Path:
@@ -195,7 +199,7 @@ def to_config(cfg) -> Config:
     """A composed OmegaConf node -> plain `Config` dataclasses (what toolkit.plan reads). A bad
     model.hf_path under model=hf raises HfConfigError with OmegaConf's wrapping taken off."""
     try:
-        return OmegaConf.to_object(cfg)
+        config = OmegaConf.to_object(cfg)
     except InterpolationResolutionError as e:
         cause = e
         while cause is not None and not isinstance(cause, hf_arch.HfConfigError):
@@ -203,6 +207,12 @@ def to_config(cfg) -> Config:
         if cause is None:
             raise
         raise hf_arch.HfConfigError(str(cause)) from None
+    # a resolver's value is not typed by the schema: `${probed:stack}` gives plain dicts
+    config.cluster.stack = {
+        name: StackCosts(**dict(costs)) if not isinstance(costs, StackCosts) else costs
+        for name, costs in config.cluster.stack.items()
+    }
+    return config
 
 
 def load_run_config(run_dir: Path, name: str = "config") -> Config:

@@ -95,6 +95,10 @@ class Backend:
     rope_scaling_fixed: tuple[tuple[str, float], ...]
     # Performance model.
     elementwise_traffic: float  # bytes moved by element-wise kernels, relative to fused kernels
+    # The loss on the last stage: passes over the fp32 logits (reads and writes, forward and
+    # backward), and new logits-sized tensors it allocates (the logits included).
+    loss_logit_passes: int
+    loss_fresh_logits: int
     grad_reduce: GradReduce
     # Checkpoints, weights and launch.
     checkpoint_format: str
@@ -145,6 +149,11 @@ MEGATRON = Backend(
         ("original_max_position_embeddings", 8192),
     ),
     elementwise_traffic=1.0,  # fused kernels (Transformer Engine)
+    # megatron-core's vocab-parallel cross entropy works in place on the logits
+    # (tensor_parallel/cross_entropy.py): max, subtract, exp, sum, divide forward (7 passes),
+    # target update and scale backward (2); only the logits themselves are a new tensor.
+    loss_logit_passes=9,
+    loss_fresh_logits=1,
     grad_reduce=GradReduce.OVERLAPPED_BUCKETS,
     checkpoint_format="megatron-core dist_checkpointing, fully reshardable (loads at any dp/tp/pp)",
     async_save=True,
@@ -182,6 +191,12 @@ DEEPSPEED = Backend(
     # Eager PyTorch launches each element-wise op separately and moves about 2.5x the bytes
     # (e.g. RMSNorm as pow, mean, rsqrt, mul, mul).
     elementwise_traffic=2.5,
+    # torch's cross_entropy (log_softmax + nll_loss): log_softmax reads the logits twice and writes
+    # its output, nll_loss's backward writes a zeroed gradient, log_softmax's backward reads it
+    # and the output and writes the logits' gradient (8 passes); the logits, the log-probabilities
+    # and the two gradients are new tensors.
+    loss_logit_passes=8,
+    loss_fresh_logits=4,
     grad_reduce=GradReduce.ZERO_STAGED,
     checkpoint_format="DeepSpeed engine checkpoint (zero_to_fp32 consolidates it)",
     async_save=False,

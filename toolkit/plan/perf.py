@@ -16,6 +16,7 @@ every micro-batch's forward and backward (Rajbhandari et al. 2020, section 7.2.2
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 
@@ -29,7 +30,9 @@ from toolkit.plan.params import all_stage_params, head_dim, kv_heads
 # NCCL reaches about 80% of link bandwidth for large messages (nccl-tests bus bandwidth on
 # NVLink and InfiniBand NDR).
 COLLECTIVE_EFFICIENCY = 0.8
-COLLECTIVE_LATENCY_S = 20e-6
+# glibc's largest dynamic mmap threshold on 64-bit (mallopt(3), DEFAULT_MMAP_THRESHOLD_MAX): a
+# tensor at least this large gets fresh pages at every allocation.
+FRESH_BYTES = 32 * 2**20
 # FlashAttention-2 forward+backward runs at 50-70% of peak where large GEMMs reach ~80%
 # (Dao 2023, "FlashAttention-2", section 4.1).
 ATTENTION_EFFICIENCY = 0.75
@@ -75,11 +78,30 @@ def mfu_peak_flops(cfg: Config) -> float:
     return cfg.cluster.peak_tflops_bf16 * 1e12 if cfg.precision.dtype == "fp8" else peak_flops(cfg)
 
 
-def _ring_time(nbytes: float, group: int, bandwidth_gbs: float, factor: float) -> float:
-    """Ring collective moving factor*(g-1)/g of nbytes per GPU (factor 2 for all-reduce)."""
+def _ring_time(nbytes: float, group: int, bandwidth_gbs: float, factor: float, latency_s: float) -> float:
+    """A ring collective in the alpha-beta model (Thakur, Rabenseifner & Gropp 2005, "Optimization of
+    Collective Communication Operations in MPICH", section 4): factor*(g-1) steps of latency, and
+    factor*(g-1)/g of nbytes per GPU over the link (factor 2 for all-reduce, 1 for all-gather and
+    reduce-scatter)."""
     if group <= 1:
         return 0.0
-    return factor * (group - 1) / group * nbytes / (bandwidth_gbs * 1e9 * COLLECTIVE_EFFICIENCY) + COLLECTIVE_LATENCY_S
+    wire = factor * (group - 1) / group * nbytes / (bandwidth_gbs * 1e9 * COLLECTIVE_EFFICIENCY)
+    return factor * (group - 1) * latency_s + wire
+
+
+def _p2p_time(cfg: Config, nbytes: float, link_gbs: float) -> float:
+    """One point-to-point send of nbytes: the cluster's p2p latency, over its p2p bandwidth (the
+    link's where none is given)."""
+    bandwidth = cfg.cluster.p2p_bandwidth_gbs or link_gbs
+    return cfg.cluster.p2p_latency_s + nbytes / (bandwidth * 1e9 * COLLECTIVE_EFFICIENCY)
+
+
+def _fresh_time(cfg: Config, nbytes: float) -> float:
+    """Seconds a new tensor of nbytes costs beyond its writes where the allocator maps it afresh
+    (CPU: glibc's malloc maps blocks over FRESH_BYTES with mmap, mallopt(3), and every page faults
+    in on first write); 0 where allocations reuse memory (the GPU caching allocator)."""
+    fresh = cfg.cluster.fresh_memory_gbs
+    return nbytes / (fresh * 1e9) if fresh and nbytes >= FRESH_BYTES else 0.0
 
 
 @dataclass(frozen=True)
@@ -124,14 +146,21 @@ def _spans_nodes(cfg: Config, group_size: int, stride: int) -> bool:
     return group_size > 1 and group_size * stride > cfg.cluster.gpus_per_node
 
 
-def _core_sharing(cfg: Config, layout: Layout) -> float:
-    """How many ranks share one CPU core (>= 1): compute on an oversubscribed CPU node slows by
-    that factor. 1 on GPUs."""
+def _core_sharing(cfg: Config, layout: Layout, stage_times: list[float], step_s: float) -> float:
+    """How much slower compute runs on an oversubscribed CPU node (>= 1; 1 on GPUs): the step
+    cannot end before the node's cores have done every rank's work. A rank waiting for its
+    pipeline peers or a collective leaves its core to the others, so the slowdown is the node's
+    CPU work over its cores, against the step's unshared critical path (the slowest stage's
+    micro-batches, the bubble and the per-step work)."""
     c = cfg.cluster
     if c.device != "cpu":
         return 1.0
     cores = c.cores_per_node or os.cpu_count() or 1
-    return max(1.0, min(layout.world_size, c.gpus_per_node) / cores)
+    mb, pp = layout.num_microbatches, layout.pp
+    critical = (mb + (pp - 1) / layout.vpp) * max(stage_times) + step_s
+    node_ranks = min(layout.world_size, c.gpus_per_node)
+    work = node_ranks * (mb * sum(stage_times) / pp + step_s)  # ranks are spread evenly over the stages
+    return max(1.0, work / cores / critical)
 
 
 def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
@@ -150,6 +179,7 @@ def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
     q, kv = m.num_attention_heads * d, kv_heads(m) * d
     ffn_in = m.ffn_hidden_size * (2 if m.activation == "swiglu" else 1)
     recompute = cfg.recompute.granularity
+    ring = functools.partial(_ring_time, latency_s=c.collective_latency_s)
 
     # --- one layer, one micro-batch, forward GEMMs on one TP rank
     gemms = [((q + 2 * kv) / tp, h), (h, q / tp), (ffn_in / tp, h), (h, m.ffn_hidden_size / tp)]  # (N, K)
@@ -164,9 +194,12 @@ def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
         core_fwd += 5 / 3 * heads * tokens * seq * nbytes / hbm
     elementwise = backend.elementwise_traffic * _elementwise_bytes(m, tokens, tp, p.sequence_parallel, nbytes) / hbm
     tp_bw = c.intra_node_bandwidth_gbs if tp <= c.gpus_per_node else c.inter_node_bandwidth_gbs
-    tp_collective = _ring_time(tokens * h * nbytes, tp, tp_bw, 2.0)
+    tp_collective = ring(tokens * h * nbytes, tp, tp_bw, 2.0)
     collectives = 4 + (2 if recompute == "full" else 0)
-    layer = 3 * (gemm_fwd + core_fwd) + elementwise + collectives * tp_collective + c.layer_overhead_s
+    stack = c.stack.get(backend.name)  # measured costs of the software stack (`parakit probe`)
+    # A layer's compute (which shares a CPU node's cores) and its communication (which waits)
+    layer = 3 * (gemm_fwd + core_fwd) + elementwise + c.layer_overhead_s + (stack.layer_s if stack else 0.0)
+    layer_comm = collectives * tp_collective
     if recompute == "full":
         layer += gemm_fwd + core_fwd + elementwise / 3
     elif recompute == "selective":
@@ -174,18 +207,24 @@ def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
     if cp > 1:  # K/V blocks travel the cp ring (cp-1 hops; backward also returns dK/dV), hidden
         # under the attention of each step (Megatron context parallel, Liu et al. 2023 "Ring Attention")
         cp_bw = c.inter_node_bandwidth_gbs if _spans_nodes(cfg, cp, tp) else c.intra_node_bandwidth_gbs
-        ring = 3 * _ring_time(tokens * 2 * kv / tp * nbytes, cp, cp_bw, float(cp))
-        layer += _overlapped(ring, 3 * core_fwd)
+        cp_ring = 3 * ring(cp * tokens * 2 * kv / tp * nbytes, cp, cp_bw, 1.0)
+        layer_comm += _overlapped(cp_ring, 3 * core_fwd)
 
     # --- per micro-batch on the slowest stage (the last one adds the logits)
     vocab_shard = layout.padded_vocab_size / tp
+    logit_bytes = tokens * vocab_shard * 4  # the loss is computed in fp32
     logits = (
         3 * 2 * tokens * h * vocab_shard / (peak * shape_efficiency(c.gemm_half_size, tokens, vocab_shard, h))
-        + 4 * tokens * vocab_shard * 4 / hbm
+        + (stack.loss_s_per_logit * logit_bytes / 4 if stack else backend.loss_logit_passes * logit_bytes / hbm)
+        + backend.loss_fresh_logits * _fresh_time(cfg, logit_bytes)
     )
-    sharing = _core_sharing(cfg, layout)
-    stage_times = [n * layer * sharing for n in layout.stage_layers]
-    stage_times[-1] += logits * sharing
+    logits_comm = 3 * ring(tokens * 4, tp, tp_bw, 2.0)  # the vocab-parallel loss's max, target logit, sum
+    work = [n * layer for n in layout.stage_layers]
+    work[-1] += logits
+    step_s = stack.step_s if stack else 0.0
+    sharing = _core_sharing(cfg, layout, work, step_s)
+    stage_times = [t * sharing + n * layer_comm for t, n in zip(work, layout.stage_layers)]
+    stage_times[-1] += logits_comm
     slowest = max(range(pp), key=stage_times.__getitem__)
     per_microbatch = stage_times[slowest]
     tp_per_microbatch = layout.stage_layers[slowest] * collectives * tp_collective
@@ -198,8 +237,7 @@ def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
     pp_comm = 0.0
     if pp > 1:
         pp_bw = c.inter_node_bandwidth_gbs if _spans_nodes(cfg, pp, tp * cp * dp) else c.intra_node_bandwidth_gbs
-        p2p = _ring_time(tokens * h * nbytes, 2, pp_bw, 2.0)  # one send: (2-1)/2 * 2 = 1x the bytes
-        pp_comm = num_mb * vpp * 2 * p2p
+        pp_comm = num_mb * vpp * 2 * _p2p_time(cfg, tokens * h * nbytes, pp_bw)
 
     # --- data-parallel gradient (and parameter) communication
     shard = dp * cp
@@ -213,21 +251,21 @@ def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
     zero = backend.effective_zero(cfg.zero.stage)
     if backend.grad_reduce is GradReduce.OVERLAPPED_BUCKETS:
         if zero == 1:
-            reduce = _ring_time(grad_bytes, shard, dp_bw, 1.0)
-            gather = _ring_time(params * nbytes, shard, dp_bw, 1.0)
+            reduce = ring(grad_bytes, shard, dp_bw, 1.0)
+            gather = ring(params * nbytes, shard, dp_bw, 1.0)
             dp_comm = _overlapped(reduce, backward_window) + _overlapped(gather, forward_window)
         else:
-            dp_comm = _overlapped(_ring_time(grad_bytes, shard, dp_bw, 2.0), backward_window)
+            dp_comm = _overlapped(ring(grad_bytes, shard, dp_bw, 2.0), backward_window)
     elif zero <= 1:  # DeepSpeed reduces once per step after the last backward
-        dp_comm = _ring_time(grad_bytes, shard, dp_bw, 2.0 if zero == 0 else 1.0)
+        dp_comm = ring(grad_bytes, shard, dp_bw, 2.0 if zero == 0 else 1.0)
         if zero == 1:
-            dp_comm += _ring_time(params * nbytes, shard, dp_bw, 1.0)
+            dp_comm += ring(params * nbytes, shard, dp_bw, 1.0)
     else:  # ZeRO-2/3 reduce-scatter every micro-batch, overlapped with backward (overlap_comm)
-        reduce = _ring_time(grad_bytes, shard, dp_bw, 1.0)
+        reduce = ring(grad_bytes, shard, dp_bw, 1.0)
         if zero == 2:
-            dp_comm = num_mb * _overlapped(reduce, backward_window) + _ring_time(params * nbytes, shard, dp_bw, 1.0)
+            dp_comm = num_mb * _overlapped(reduce, backward_window) + ring(params * nbytes, shard, dp_bw, 1.0)
         else:  # gather parameters for forward and backward of every micro-batch, on the same link
-            gathers = 2 * _ring_time(params * nbytes, shard, dp_bw, 1.0)
+            gathers = 2 * ring(params * nbytes, shard, dp_bw, 1.0)
             dp_comm = num_mb * _overlapped(reduce + gathers, ZERO3_OVERLAP * per_microbatch * overlap)
 
     # --- optimizer step: read and write master weights, grads, Adam moments
@@ -237,7 +275,7 @@ def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
     else:
         optimizer = shard_params * (4 + 4 + 8 + nbytes) * 2 / hbm
 
-    step = compute + pp_comm + dp_comm + optimizer + c.step_overhead_s
+    step = compute + pp_comm + dp_comm + optimizer + c.step_overhead_s + step_s * sharing
     flops = step_flops(m, seq, layout.global_batch, recompute, layout.padded_vocab_size)
     world = layout.world_size
     return StepEstimate(
