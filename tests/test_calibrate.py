@@ -12,6 +12,7 @@ import sys
 
 import pytest
 
+from toolkit.config import machine
 from toolkit.emit.files import write_run_files
 from toolkit.plan.calibrate import CONSTANTS, calibrate, fit, load_points, predict
 from toolkit.plan.layout import resolve
@@ -29,6 +30,14 @@ LAYOUTS = [
     ["cluster.gpus_per_node=4", "parallel.tp=2", "model.hidden_size=256", "model.ffn_hidden_size=1024"],
 ]
 NOISE = (0.03, -0.04, 0.01, -0.02, 0.04, -0.01, 0.02)  # measurement noise, relative
+
+
+@pytest.fixture(scope="module", autouse=True)
+def guessed_cpu_cluster():
+    """The cpu cluster file's guesses, not this machine's probe: the same datasheet everywhere."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(machine.PROBE_ENV, "0")
+        yield
 
 
 @pytest.fixture(scope="module")

@@ -65,7 +65,8 @@ def test_data_bench_compares_the_loader_with_the_planned_gpus(capsys):
     out = capsys.readouterr().out
     supplied, consumed = (float(x.replace(",", "")) for x in re.findall(r"([\d,.]+) samples/s", out)[:2])
     assert "keeps up" in out and supplied > consumed > 0
-    fast = ["cluster.peak_tflops_fp32=1e9", "cluster.hbm_bandwidth_gbs=1e12"]
+    fast = ["cluster.peak_tflops_fp32=1e9", "cluster.hbm_bandwidth_gbs=1e12", "cluster.stack={}"]
+    fast += ["cluster.fresh_memory_gbs=null"]  # nor its stack costs or fresh pages
     assert main(["data", "bench", "data=synthetic", "cluster.gpus_per_node=1", *fast, "--steps", "5"]) == 3
     assert "would starve the GPUs" in capsys.readouterr().out
 

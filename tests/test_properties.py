@@ -16,7 +16,7 @@ from hypothesis import strategies as st
 from omegaconf import OmegaConf
 from upstream import deepspeed_accepts, megatron_accepts
 
-from toolkit.config.schema import TOKENIZER_VOCAB, ClusterConfig, ModelConfig, Tokenizer
+from toolkit.config.schema import TOKENIZER_VOCAB, ModelConfig, Tokenizer
 from toolkit.config.store import compose_config, conf_dir
 from toolkit.emit.deepspeed import deepspeed_config
 from toolkit.emit.files import render
@@ -41,7 +41,11 @@ def _group(group: str, schema) -> dict:
 
 
 MODEL = _group("model", ModelConfig)
-CLUSTER = _group("cluster", ClusterConfig)
+# composed, as a run reads it: the cpu cluster's constants are this machine's (`${probed:...}`)
+CLUSTER = {
+    path.stem: compose_config([f"cluster={path.stem}"]).cluster
+    for path in sorted((conf_dir() / "cluster").glob("*.yaml"))
+}
 MODELS = list(MODEL)
 CLUSTERS = list(CLUSTER)
 ZERO = ["0", "1", "2", "3", "2_offload", "3_offload"]
