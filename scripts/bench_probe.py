@@ -53,14 +53,24 @@ def main() -> int:
     from toolkit.plan.calibrate import calibrate, load_points
 
     probe = machine.run_probe(force=opts.force_probe)
-    print(f"machine: {probe['fingerprint']['processor']}, {probe['fingerprint']['cores']} cores (probe cached in "
-          f"{machine.cache_path()})", flush=True)
+    print(
+        f"machine: {probe['fingerprint']['processor']}, {probe['fingerprint']['cores']} cores (probe cached in "
+        f"{machine.cache_path()})",
+        flush=True,
+    )
     root = Path(opts.keep or tempfile.mkdtemp(prefix="bench-probe-"))
+    root.mkdir(parents=True, exist_ok=True)
     sweep_dir = root / "sweep"
     for grid in GRIDS:
         done = parakit(
-            "sweep", "recipe=tiny_cpu_demo", f"train.steps={opts.steps}", *grid, "--warmup-steps",
-            str(opts.warmup_steps), f"hydra.sweep.dir={sweep_dir}", cwd=root,
+            "sweep",
+            "recipe=tiny_cpu_demo",
+            f"train.steps={opts.steps}",
+            *grid,
+            "--warmup-steps",
+            str(opts.warmup_steps),
+            f"hydra.sweep.dir={sweep_dir}",
+            cwd=root,
         )
         print("\n".join(line for line in done.stdout.splitlines() if "sweep point" in line), flush=True)
         if done.returncode:

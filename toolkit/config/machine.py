@@ -26,7 +26,7 @@ import tempfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-PROBE_VERSION = 1  # bumped when what the probe measures or fits changes: caches probe again
+PROBE_VERSION = 2  # bumped when what the probe measures or fits changes: caches probe again
 CACHE_ENV = "PARAKIT_CACHE_DIR"
 PROBE_ENV = "PARAKIT_PROBE"  # 0: the guesses in the cluster file; the probe sets it for itself
 _loaded: dict | None = None
@@ -145,5 +145,6 @@ def cluster_file(name: str) -> str:
     from toolkit.config.store import compose_config
 
     cluster = dataclasses.replace(compose_config(["cluster=cpu"]).cluster, name=name)
-    header = f"# {name}: this machine measured by `parakit probe` ({', '.join(f'{k} {v}' for k, v in fingerprint().items())})\n"
+    machine = ", ".join(f"{k} {v}" for k, v in fingerprint().items())
+    header = f"# {name}: this machine measured by `parakit probe` ({machine})\n"
     return header + OmegaConf.to_yaml(OmegaConf.structured(cluster))

@@ -29,9 +29,9 @@ import statistics
 from toolkit.plan.perf import COLLECTIVE_EFFICIENCY, estimate_step, shape_efficiency
 
 # (layers, vocabulary) of the stack probe's runs: the first is the base, the second adds layers,
-# the third adds logits (16384 x 256 tokens x 4 bytes stays under FRESH_BYTES: fresh pages are
+# the third adds logits (30720 x 256 tokens x 4 bytes stays under FRESH_BYTES: fresh pages are
 # the fresh-memory constant's).
-STACK_POINTS = ((2, 1024), (6, 1024), (2, 16384))
+STACK_POINTS = ((2, 1024), (10, 1024), (2, 30720))
 # What a collective of each kind is to the ring model: (steps per (g-1), share of the bytes per (g-1)/g).
 RING_FACTORS = {"all_reduce": 2.0, "all_gather": 1.0, "reduce_scatter": 1.0}
 # Tensors at least this large are above glibc's largest mmap threshold (32 MiB, mallopt(3)).

@@ -217,7 +217,7 @@ def measure(ranks: int, cores: int) -> dict:
     return {"ranks": ranks, "compute_ranks": compute_ranks, "per_rank": gathered}
 
 
-STACK_STEPS, STACK_WARMUP = 7, 2
+STACK_STEPS, STACK_WARMUP = 12, 2
 
 
 def _stack_main(backend: str, queue) -> None:
