@@ -356,6 +356,7 @@ class StackCosts:
     layer_s: float = 0.0  # per layer and micro-batch, forward and backward
     loss_s_per_logit: float = 0.0  # the loss, forward and backward, per logit (token x vocab entry)
     step_s: float = 0.0  # per optimizer step (optimizer launch, bookkeeping)
+    tp_layer_s: float = 0.0  # added per layer and micro-batch under tensor parallel (its mappings)
 
 
 @dataclass

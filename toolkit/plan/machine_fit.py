@@ -129,16 +129,17 @@ def cluster_constants(raw: dict) -> dict[str, float]:
     }
 
 
-def stack_overrides(backend: str, layers: int, vocab: int) -> list[str]:
-    """One rank, the tiny model, two micro-batches of 2 x 128 tokens, fp32, ZeRO-1."""
+def stack_overrides(backend: str, layers: int, vocab: int, tp: int = 1) -> list[str]:
+    """`tp` ranks (one model replica), the tiny model, two micro-batches of 2 x 128 tokens, fp32, ZeRO-1."""
     return [
         f"backend={backend}",
         "model=tiny",
         f"model.num_layers={layers}",
         f"model.vocab_size={vocab}",
         "data=synthetic",
-        "cluster.gpus_per_node=1",
+        f"cluster.gpus_per_node={tp}",
         "parallel=dp",
+        f"parallel.tp={tp}",
         "zero='1'",
         "precision=fp32",
         "train.global_batch=4",
@@ -149,23 +150,29 @@ def stack_overrides(backend: str, layers: int, vocab: int) -> list[str]:
 
 
 def fit_stack(backend: str, seconds: list[float], constants: dict[str, float]) -> dict[str, float]:
-    """The backend's StackCosts from the measured step seconds of STACK_POINTS, given the cluster
-    constants fitted before: what the planner, without stack costs, leaves unexplained."""
+    """The backend's StackCosts from the measured step seconds of STACK_POINTS (and, where it has
+    tensor parallel, of the second point at tp=2), given the cluster constants fitted before:
+    what the planner, without stack costs, leaves unexplained."""
     import dataclasses
 
     from toolkit.config.store import compose_config
     from toolkit.plan.layout import resolve
 
+    points = [(*p, 1) for p in STACK_POINTS] + [(*STACK_POINTS[1], 2)] * (len(seconds) > len(STACK_POINTS))
     predicted, sizes = [], []
-    for layers, vocab in STACK_POINTS:
-        cfg = compose_config(stack_overrides(backend, layers, vocab))
+    for layers, vocab, tp in points:
+        cfg = compose_config(stack_overrides(backend, layers, vocab, tp))
         cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, **constants, stack={}))
         layout = resolve(cfg)
         predicted.append(estimate_step(cfg, layout).step_time)
-        logits = layout.micro_batch * layout.seq_length * layout.padded_vocab_size
+        logits = layout.micro_batch * layout.seq_length * layout.padded_vocab_size / tp
         sizes.append((layers * layout.num_microbatches, logits * layout.num_microbatches))
     unexplained = [t - p for t, p in zip(seconds, predicted)]
     layer = max(0.0, (unexplained[1] - unexplained[0]) / (sizes[1][0] - sizes[0][0]))
     logit = max(0.0, (unexplained[2] - unexplained[0]) / (sizes[2][1] - sizes[0][1]))
     step = max(0.0, unexplained[0] - layer * sizes[0][0] - logit * sizes[0][1])
-    return {"layer_s": layer, "loss_s_per_logit": logit, "step_s": step}
+    costs = {"layer_s": layer, "loss_s_per_logit": logit, "step_s": step, "tp_layer_s": 0.0}
+    if len(unexplained) > 3:  # what a tensor-parallel layer costs beyond its modelled collectives
+        explained = layer * sizes[3][0] + logit * sizes[3][1] + step
+        costs["tp_layer_s"] = max(0.0, (unexplained[3] - explained) / sizes[3][0])
+    return costs

@@ -198,7 +198,8 @@ def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
     collectives = 4 + (2 if recompute == "full" else 0)
     stack = c.stack.get(backend.name)  # measured costs of the software stack (`parakit probe`)
     # A layer's compute (which shares a CPU node's cores) and its communication (which waits)
-    layer = 3 * (gemm_fwd + core_fwd) + elementwise + c.layer_overhead_s + (stack.layer_s if stack else 0.0)
+    layer = 3 * (gemm_fwd + core_fwd) + elementwise + c.layer_overhead_s
+    layer += (stack.layer_s + (stack.tp_layer_s if tp > 1 else 0.0)) if stack else 0.0
     layer_comm = collectives * tp_collective
     if recompute == "full":
         layer += gemm_fwd + core_fwd + elementwise / 3

@@ -220,8 +220,9 @@ def measure(ranks: int, cores: int) -> dict:
 STACK_STEPS, STACK_WARMUP = 12, 2
 
 
-def _stack_main(backend: str, queue) -> None:
-    """Seconds per step of each STACK_POINTS run of `backend` on one rank (median after warm-up)."""
+def _stack_main(backend: str, points: list, rank: int, world: int, port: int, queue) -> None:
+    """Seconds per step of each (layers, vocabulary, tp) point of `backend` on `world` ranks
+    (median after warm-up; rank 0 reports)."""
     import importlib
     import statistics
 
@@ -230,15 +231,17 @@ def _stack_main(backend: str, queue) -> None:
     from toolkit.config.store import compose_config
     from toolkit.plan.backends import backend_of
     from toolkit.plan.layout import resolve
-    from toolkit.plan.machine_fit import STACK_POINTS, stack_overrides
+    from toolkit.plan.machine_fit import stack_overrides
     from toolkit.train.trainer import quiet_upstream_notices
 
     torch.set_num_threads(1)
     quiet_upstream_notices()
-    os.environ.update(MASTER_PORT=str(_free_port()))
+    if world > 1:
+        os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
     seconds, kept = [], None
-    for layers, vocab in STACK_POINTS:
-        cfg = compose_config(stack_overrides(backend, layers, vocab))
+    for i, (layers, vocab, tp) in enumerate(points):
+        os.environ["MASTER_PORT"] = str(port + i)
+        cfg = compose_config(stack_overrides(backend, layers, vocab, tp))
         steps = importlib.import_module(backend_of(cfg).trainer).setup(cfg, resolve(cfg))
         steps.begin_at(0)
         times = []
@@ -254,22 +257,26 @@ def _stack_main(backend: str, queue) -> None:
             kept = steps
     if kept is not None:
         kept.close()
-    queue.put(seconds)
+    if rank == 0:
+        queue.put(seconds)
 
 
-def measure_stack(backend: str) -> list[float]:
+def measure_stack(backend: str, points: list, world: int = 1) -> list[float]:
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_stack_main, args=(backend, queue))
-    proc.start()
+    port = _free_port()
+    procs = [ctx.Process(target=_stack_main, args=(backend, points, r, world, port, queue)) for r in range(world)]
+    for proc in procs:
+        proc.start()
     try:
         seconds = queue.get(timeout=600)
     finally:
-        proc.join(timeout=60)
-        if proc.is_alive():
-            proc.kill()
+        for proc in procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
     return seconds
 
 
@@ -277,7 +284,7 @@ def probe(ranks: int) -> dict:
     """Measure, then fit: {"constants": ClusterConfig fields, "stack": backend -> StackCosts fields,
     "raw": the figures they came from, "seconds": how long it took}."""
     from toolkit.plan.backends import BACKENDS
-    from toolkit.plan.machine_fit import cluster_constants, fit_stack
+    from toolkit.plan.machine_fit import STACK_POINTS, cluster_constants, fit_stack
 
     started = time.perf_counter()
     cores = len(os.sched_getaffinity(0))
@@ -285,10 +292,13 @@ def probe(ranks: int) -> dict:
     raw = measure(ranks, cores)
     constants = cluster_constants(raw)
     stack, raw["stack"] = {}, {}
-    for backend in BACKENDS:
+    for backend, description in BACKENDS.items():
         print(f"  the {backend} stack on one rank ...", file=sys.stderr, flush=True)
-        raw["stack"][backend] = measure_stack(backend)
-        stack[backend] = fit_stack(backend, raw["stack"][backend], constants)
+        seconds = measure_stack(backend, [(*point, 1) for point in STACK_POINTS])
+        if "tp" in description.parallel_dims and cores >= 2:  # tensor parallel's own layers, on 2 ranks
+            seconds += measure_stack(backend, [(STACK_POINTS[1][0], STACK_POINTS[1][1], 2)], world=2)
+        raw["stack"][backend] = seconds
+        stack[backend] = fit_stack(backend, seconds, constants)
     return {"constants": constants, "stack": stack, "raw": raw, "seconds": time.perf_counter() - started}
 
 
