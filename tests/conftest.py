@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed: no GPU probing in tests
+# the machine probe's cache (scripts/setup.sh sets the same): kept with the checkout
+os.environ.setdefault("PARAKIT_CACHE_DIR", str(Path(__file__).parents[1] / ".cache" / "parakit"))
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
 warnings.filterwarnings("ignore", message=".*absl.logging is not installed.*")
 
@@ -36,7 +38,16 @@ def free_port() -> int:
 
 
 @pytest.fixture(scope="session", autouse=True)
-def warm_ranks(tmp_path_factory):
+def machine_probed():
+    """This machine measured for the cpu cluster once, before any test composes it: a first
+    composition inside a timed subprocess would spend its time measuring."""
+    from toolkit.config import machine
+
+    machine.run_probe()
+
+
+@pytest.fixture(scope="session", autouse=True)
+def warm_ranks(tmp_path_factory, machine_probed):
     """torchrun's ranks forked from a process that has imported torch, megatron-core, DeepSpeed and
     transformers (tests/warm/server.py), ~4 s less per launch on 2 cores. PARAKIT_COLD_RANKS=1
     runs every rank cold; a rank whose import-time environment differs (a mutation) runs cold."""

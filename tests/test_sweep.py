@@ -106,12 +106,18 @@ def test_calibrate_lowers_the_held_out_error_of_the_real_sweep(swept):
 
     def four_times_faster(point):
         constants = {name: getattr(calibration.cluster, name) for name in CONSTANTS}
-        for name in ("hbm_bandwidth_gbs", "intra_node_bandwidth_gbs", "inter_node_bandwidth_gbs"):
-            constants[name] *= 4
-        for name in ("step_overhead_s", "layer_overhead_s"):
-            constants[name] /= 4
-        peak = 4 * point.cfg.cluster.peak_tflops_fp32
-        cluster = dataclasses.replace(point.cfg.cluster, **constants, peak_tflops_fp32=peak)
+        rates = ("hbm_bandwidth_gbs", "intra_node_bandwidth_gbs", "inter_node_bandwidth_gbs", "p2p_bandwidth_gbs")
+        rates += ("fresh_memory_gbs",)
+        c = point.cfg.cluster
+        for name in rates:
+            constants[name] = 4 * (constants.get(name) or getattr(c, name))
+        for name in ("step_overhead_s", "layer_overhead_s", "collective_latency_s", "p2p_latency_s"):
+            constants[name] = (constants.get(name) or getattr(c, name)) / 4
+        stack = {
+            b: dataclasses.replace(s, **{f: v / 4 for f, v in dataclasses.asdict(s).items()})
+            for b, s in c.stack.items()
+        }
+        cluster = dataclasses.replace(c, **constants, peak_tflops_fp32=4 * c.peak_tflops_fp32, stack=stack)
         return dataclasses.replace(point, cfg=dataclasses.replace(point.cfg, cluster=cluster))
 
     recovered = calibrate([four_times_faster(p) for p in points])
