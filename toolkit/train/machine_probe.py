@@ -222,7 +222,7 @@ STACK_STEPS, STACK_WARMUP = 12, 2
 
 def _stack_main(backend: str, points: list, rank: int, world: int, port: int, queue) -> None:
     """Seconds per step of each (layers, vocabulary, tp) point of `backend` on `world` ranks
-    (median after warm-up; rank 0 reports)."""
+    (the lower quartile after warm-up; rank 0 reports)."""
     import importlib
     import statistics
 
@@ -250,7 +250,9 @@ def _stack_main(backend: str, points: list, rank: int, world: int, port: int, qu
             steps.forward_backward(step, False, lambda _step: None)
             steps.update()
             times.append(time.perf_counter() - started)
-        seconds.append(statistics.median(times[STACK_WARMUP:]))
+        # Another process's load only ever slows a step: the lower quartile is this stack's own speed
+        # (two probes a few minutes apart differed by up to 2x in their medians on a shared VM).
+        seconds.append(statistics.quantiles(times[STACK_WARMUP:], n=4)[0])
         if backend == "megatron":  # megatron-core rebuilds its groups each time
             steps.close()
         else:  # DeepSpeed keeps its groups past the process group's end: one group for all runs
