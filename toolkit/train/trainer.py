@@ -35,6 +35,7 @@ _NOISE = (
     "full scope is deprecated",
     "MCore's async save is deprecated",
     "Could not determine rank from torch.distributed",  # megatron-core's dataset logging, one process
+    "CUDA_DEVICE_MAX_CONNECTIONS",  # megatron-core's advice for GPUs, printed on CPU at tp > 1
 )
 
 
