@@ -166,7 +166,7 @@ def collective_times(rank: int, world: int) -> dict[str, dict[str, list[list[flo
     return out
 
 
-def _rank_main(rank: int, world: int, port: int, compute_ranks: int, queue) -> None:
+def _rank_main(world: int, port: int, compute_ranks: int, rank: int, queue) -> None:
     os.environ.update(OMP_NUM_THREADS="1")
     import torch
     import torch.distributed as dist
@@ -197,30 +197,36 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def measure(ranks: int, cores: int) -> dict:
-    """Every rank's raw figures: compute on min(ranks, cores) ranks at once, collectives on all."""
+def _run_ranks(target, args: tuple, world: int):
+    """Spawn `world` processes target(*args, rank, queue) and return what rank 0 puts on the queue
+    (every process joined, or killed after a minute)."""
     import torch.multiprocessing as mp
 
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    port, compute_ranks = _free_port(), max(1, min(ranks, cores))
-    procs = [ctx.Process(target=_rank_main, args=(r, ranks, port, compute_ranks, queue)) for r in range(ranks)]
-    for p in procs:
-        p.start()
+    procs = [ctx.Process(target=target, args=(*args, rank, queue)) for rank in range(world)]
+    for proc in procs:
+        proc.start()
     try:
-        gathered = queue.get(timeout=600)
+        return queue.get(timeout=600)
     finally:
-        for p in procs:
-            p.join(timeout=60)
-            if p.is_alive():
-                p.kill()
+        for proc in procs:
+            proc.join(timeout=60)
+            if proc.is_alive():
+                proc.kill()
+
+
+def measure(ranks: int, cores: int) -> dict:
+    """Every rank's raw figures: compute on min(ranks, cores) ranks at once, collectives on all."""
+    compute_ranks = max(1, min(ranks, cores))
+    gathered = _run_ranks(_rank_main, (ranks, _free_port(), compute_ranks), ranks)
     return {"ranks": ranks, "compute_ranks": compute_ranks, "per_rank": gathered}
 
 
 STACK_STEPS, STACK_WARMUP = 12, 2
 
 
-def _stack_main(backend: str, points: list, rank: int, world: int, port: int, queue) -> None:
+def _stack_main(backend: str, points: list, world: int, port: int, rank: int, queue) -> None:
     """Seconds per step of each (layers, vocabulary, tp) point of `backend` on `world` ranks
     (the lower quartile after warm-up; rank 0 reports)."""
     import importlib
@@ -264,22 +270,7 @@ def _stack_main(backend: str, points: list, rank: int, world: int, port: int, qu
 
 
 def measure_stack(backend: str, points: list, world: int = 1) -> list[float]:
-    import torch.multiprocessing as mp
-
-    ctx = mp.get_context("spawn")
-    queue = ctx.Queue()
-    port = _free_port()
-    procs = [ctx.Process(target=_stack_main, args=(backend, points, r, world, port, queue)) for r in range(world)]
-    for proc in procs:
-        proc.start()
-    try:
-        seconds = queue.get(timeout=600)
-    finally:
-        for proc in procs:
-            proc.join(timeout=60)
-            if proc.is_alive():
-                proc.kill()
-    return seconds
+    return _run_ranks(_stack_main, (backend, points, world, _free_port()), world)
 
 
 def probe(ranks: int) -> dict:
