@@ -35,22 +35,30 @@ _NOISE = (
     "full scope is deprecated",
     "MCore's async save is deprecated",
     "Could not determine rank from torch.distributed",  # megatron-core's dataset logging, one process
-    "CUDA_DEVICE_MAX_CONNECTIONS",  # megatron-core's advice for GPUs, printed on CPU at tp > 1
 )
+# Advice that matters on a GPU (launch and train_here set it there) but is printed on CPU too.
+_CPU_NOISE = ("CUDA_DEVICE_MAX_CONNECTIONS",)  # megatron-core, at tp > 1
 
 
 class _DropNoise(logging.Filter):
+    def __init__(self, noise: tuple[str, ...]):
+        super().__init__()
+        self.noise = noise
+
     def filter(self, record: logging.LogRecord) -> bool:
-        return not any(noise in record.getMessage() for noise in _NOISE)
+        return not any(noise in record.getMessage() for noise in self.noise)
 
 
 def quiet_upstream_notices() -> None:
-    for noise in _NOISE:
-        warnings.filterwarnings("ignore", message=f".*{noise}.*")
+    import torch
+
+    noise = _NOISE if torch.cuda.is_available() else _NOISE + _CPU_NOISE
+    for text in noise:
+        warnings.filterwarnings("ignore", message=f".*{text}.*")
     if not logging.getLogger().handlers:  # megatron-core's loggers propagate to the root handler
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     for handler in logging.getLogger().handlers:
-        handler.addFilter(_DropNoise())
+        handler.addFilter(_DropNoise(noise))
 
 
 def run(cfg: Config, run_dir: Path) -> list[float]:
