@@ -230,7 +230,9 @@ def test_record_writes_a_baseline_with_its_provenance(recorded):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "altered, first_step",
-    [("optim.lr=3.3e-4", 2), ("model.num_layers=7", 1)],  # where the curve leaves the band
+    # where the curve leaves the band: a 10% and a 1% learning rate (the recipe's 3e-4) leave it
+    # after the first update; another init seed and a layer dropped from the first loss on
+    [("optim.lr=3.3e-4", 2), ("optim.lr=3.03e-4", 2), ("train.seed=1235", 1), ("model.num_layers=7", 1)],
 )
 def test_an_altered_run_fails_with_the_step_and_the_deviation(tmp_path, recorded, altered, first_step):
     conf, _ = recorded

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import csv
 import json
+import re
 import subprocess
 from pathlib import Path
 
@@ -69,6 +70,67 @@ def test_every_point_is_recorded_with_measured_and_predicted_figures(swept):
     assert "sweep point 4/4" in first.stdout and "left" in first.stdout
 
 
+def check_measured_figures(row: dict, figures: dict) -> None:
+    """A point's recorded figures against its own run directory, computed here from its
+    metrics.jsonl and config.yaml: medians over the steps after the warm-up (SHORT: 1), the
+    last loss, tokens/s from the batch the run's config trained, the planner's prediction for
+    that config. Exact (rel 1e-9) where the figure is a copy; tokens/s within 1%: the smallest
+    defect it must catch is a figure from another point (2x the ranks: 2x) or from the warm-up
+    step (measured 1.5-3x slower here)."""
+    import statistics
+
+    from toolkit.plan.layout import resolve
+    from toolkit.plan.perf import estimate_step
+    from toolkit.report.sweep import read_metrics
+    from toolkit.train.trainer import load_run_config
+
+    run_dir = Path(row["run_dir"])
+    records = [r for r in read_metrics(run_dir) if "loss" in r]
+    timed = records[1:]  # --warmup-steps 1
+    cfg = load_run_config(run_dir)
+    assert (str(cfg.backend.name), resolve(cfg).world_size) == (row["backend"], row["world_size"]), row
+    median_step = statistics.median(r["step_time_s"] for r in timed)
+    assert figures["step_time_s"] == pytest.approx(median_step, rel=1e-9), row["point"]
+    assert figures["timed_steps"] == len(timed) == 3
+    assert figures["final_loss"] == records[-1]["loss"] and records[-1]["step"] == 4
+    tokens_per_step = cfg.train.global_batch * cfg.model.seq_length
+    median_rate = statistics.median(tokens_per_step / r["step_time_s"] for r in timed)
+    assert figures["tokens_per_s"] == pytest.approx(median_rate, rel=0.01), row["point"]
+    predicted = estimate_step(cfg, resolve(cfg)).step_time
+    assert row["predicted_step_time_s"] == pytest.approx(predicted, rel=1e-9), row["point"]
+
+
+def test_each_points_figures_are_its_own_runs(swept):
+    directory = swept[0]
+    ok = [r for r in rows(directory).values() if r["status"] == "ok"]
+    assert len(ok) == 4
+    for row in ok:
+        check_measured_figures(row, row)
+
+
+@pytest.mark.mutation
+@pytest.mark.parametrize("defect", ["warm_up_timed", "first_loss", "neighbours_run"])
+def test_figures_check_catches_a_wrong_measurement(swept, defect):
+    """What `measured` (toolkit/report/sweep.py) would have recorded with a defect, checked as
+    the recorded figures are: timing the warm-up step, the first loss for the last, another
+    point's run directory."""
+    from toolkit.report.sweep import measured
+
+    ok = sorted((r for r in rows(swept[0]).values() if r["status"] == "ok"), key=lambda r: r["world_size"])
+    row, other = ok[0], ok[-1]
+    if defect == "warm_up_timed":
+        figures = measured(Path(row["run_dir"]), warmup_steps=0)
+    elif defect == "first_loss":
+        figures = measured(Path(row["run_dir"]), warmup_steps=1)
+        from toolkit.report.sweep import loss_curve
+
+        figures["final_loss"] = loss_curve(Path(row["run_dir"]))[1]
+    else:
+        figures = measured(Path(other["run_dir"]), warmup_steps=1)
+    with pytest.raises(AssertionError):
+        check_measured_figures(row, figures)
+
+
 def test_a_crashing_point_is_recorded_and_the_sweep_goes_on(swept):
     """(A re-run skipping recorded points: the `sweep --from-plan` below.)"""
     directory, first, crash = swept
@@ -76,6 +138,51 @@ def test_a_crashing_point_is_recorded_and_the_sweep_goes_on(swept):
     (failed,) = [r for r in rows(directory).values() if "kill_at_step=2" in r["point"] and r["status"] != "invalid"]
     assert failed["status"] == "failed" and "exitcode" in failed["error"], failed
     assert len(rows(directory)) == 6
+
+
+@pytest.fixture(scope="module")
+def faulted(tmp_path_factory):
+    """A sweep directory with a point that runs out of memory at step 2 (rank 0 raises what
+    CUDA's allocator raises) and one that hangs at step 1 under a 3 s timeout."""
+    directory = tmp_path_factory.mktemp("sweeps") / "faults"
+    one = [*SHORT, "train.global_batch=8", "cluster.gpus_per_node=1"]
+    oom = sweep(directory, *one, "train.fault.oom_rank=0", "train.fault.oom_at_step=2")
+    hang = sweep(directory, "--timeout", "3", *one, "train.fault.stall_rank=0", "train.fault.stall_at_step=1")
+    return directory, oom, hang
+
+
+def faults_by_kind(directory) -> dict:
+    return {("oom" if "oom_at_step" in k else "stall"): r for k, r in rows(directory).items()}
+
+
+def check_fault_statuses(by_fault: dict) -> None:
+    oom, stalled = by_fault["oom"], by_fault["stall"]
+    assert oom["status"] == "out_of_memory", oom
+    assert "OutOfMemoryError" in oom["error"] and "at step 2" in oom["error"], oom["error"]
+    assert stalled["status"] == "timed_out", stalled
+
+
+def test_out_of_memory_and_timed_out_points_are_recorded_as_such(faulted):
+    directory, oom, hang = faulted
+    assert oom.returncode == 0 and hang.returncode == 0, (oom.stderr[-2000:], hang.stderr[-2000:])
+    by_fault = faults_by_kind(directory)
+    check_fault_statuses(by_fault)
+    assert by_fault["oom"]["final_loss"] > 0  # the step before it is measured
+    stalled = by_fault["stall"]
+    assert 3 <= stalled["seconds"] < 60, stalled  # stopped at its timeout, not at the stall's end (3600 s)
+    left = subprocess.run(["pgrep", "-f", stalled["run_dir"]], capture_output=True, text=True)
+    assert left.stdout == "", left.stdout  # its process group went with it
+    assert "out_of_memory" in oom.stdout and "timed_out" in hang.stdout
+
+
+@pytest.mark.mutation
+def test_status_check_catches_a_failure_recorded_without_its_cause(faulted):
+    """The rows a classifier that ignores the cause would have recorded (every non-zero exit and
+    every timeout "failed"): the status check fails on them."""
+    by_fault = faults_by_kind(faulted[0])
+    without_cause = {kind: r | {"status": "failed"} for kind, r in by_fault.items()}
+    with pytest.raises(AssertionError):
+        check_fault_statuses(without_cause)
 
 
 def test_report_draws_the_real_sweep(swept, tmp_path):
@@ -97,12 +204,14 @@ def test_calibrate_lowers_the_held_out_error_of_the_real_sweep(swept):
     up to 0.17 here), so a fit that recovers the factor lands far below half of that 75%."""
     import dataclasses
 
+    from test_calibrate import check_held_out
+
     from toolkit.plan.calibrate import CONSTANTS, calibrate, load_points
 
     points = load_points(swept[0])
     calibration = calibrate(points)
     assert len(calibration.points) == 4  # never worse: a constant is fitted only where it helps
-    assert calibration.median_after <= calibration.median_before, (calibration.before, calibration.after)
+    check_held_out(calibration)  # each point's error from a fit to the others, recomputed here
 
     def four_times_faster(point):
         constants = {name: getattr(calibration.cluster, name) for name in CONSTANTS}
@@ -177,15 +286,83 @@ def test_a_weak_scaling_curve_is_measured_and_judged_per_doubling(scaled, tmp_pa
     assert "weak scaling of dp" in (tmp_path / "report.html").read_text()
 
 
-def test_plan_measure_reranks_the_top_layouts_and_sweep_from_plan_reuses_them(tmp_path):
-    directory = tmp_path / "measured"
-    common = [*SHORT, "cluster.gpus_per_node=2", "train.global_batch=8"]
-    plan = parakit("plan", "--measure", "2", "--sweep-dir", str(directory), *common)
-    done = subprocess.run(plan, capture_output=True, text=True, timeout=900)
+MEASURE_COMMON = [*SHORT, "cluster.gpus_per_node=2", "train.global_batch=8"]
+# rank, plan rank, the layout (toolkit.report.measure.layout_label), predicted and measured tokens/s
+LAYOUT_LINE = re.compile(r"^\s*(\d+)\s+(\d+)\s+(tp=.*?)\s{2,}([\d,]+)\s+([\d,]+)")
+
+
+@pytest.fixture(scope="module")
+def measured_plan(tmp_path_factory):
+    directory = tmp_path_factory.mktemp("plan") / "measured"
+    plan = parakit("plan", "--measure", "2", "--sweep-dir", str(directory), *MEASURE_COMMON)
+    return directory, subprocess.run(plan, capture_output=True, text=True, timeout=900)
+
+
+def check_measured_plan(table: str, directory: Path) -> None:
+    """The re-ranked table against the planner's own top 2 (ranked here in this process) and the
+    run directories that trained: each line's layout is the config.yaml of the run whose measured
+    tokens/s it shows, every planned layout trained (not the user's layout twice), the lines are
+    in descending measured order and the predicted figure is the planner's for that layout
+    (within 0.5%: the table rounds to whole tokens/s; a swapped line is 2x off)."""
+    from toolkit.config.store import compose_config
+    from toolkit.plan.layout import resolve
+    from toolkit.plan.search import Candidate, search
+    from toolkit.report.measure import layout_label
+    from toolkit.train.trainer import load_run_config
+
+    planned = search(compose_config([o for o in MEASURE_COMMON if "=" in o and not o.startswith("-")])).ranked[:2]
+    lines = [m for m in map(LAYOUT_LINE.match, table.splitlines()) if m]
+    assert len(lines) == 2 and all(line.string.rstrip().endswith("ok") for line in lines), table
+    trained = {}  # what each run directory trained, labelled as the table labels a layout
+    for row in rows(directory).values():
+        cfg = load_run_config(Path(row["run_dir"]))
+        trained[layout_label(Candidate(cfg, resolve(cfg), None, None))] = row
+    assert set(trained) == {layout_label(c) for c in planned}, (trained.keys(), table)
+    measured_order = []
+    for m in lines:
+        layout, plan_rank = m.group(3), int(m.group(2))
+        predicted, got = (float(m.group(i).replace(",", "")) for i in (4, 5))
+        assert got == pytest.approx(trained[layout]["tokens_per_s"], abs=0.5), (layout, table)
+        candidate = planned[plan_rank - 1]
+        assert layout_label(candidate) == layout, table
+        assert predicted == pytest.approx(candidate.step.tokens_per_s, rel=0.005), table
+        measured_order.append(got)
+    assert measured_order == sorted(measured_order, reverse=True), table
+
+
+def test_plan_measure_reranks_the_top_layouts_and_sweep_from_plan_reuses_them(measured_plan):
+    directory, done = measured_plan
     assert done.returncode == 0, done.stderr[-3000:]
     assert "re-ranked by measured throughput" in done.stdout
-    table = done.stdout.split("re-ranked by measured throughput")[1].splitlines()[2:4]
-    assert len(table) == 2 and all(line.rstrip().endswith("ok") for line in table), table
-    assert {line.split()[1] for line in table} == {"1", "2"}  # the planner's ranks beside the measured ones
-    again = sweep(directory, "--from-plan", "2", *common)
+    check_measured_plan(done.stdout.split("re-ranked by measured throughput")[1], directory)
+    again = sweep(directory, "--from-plan", "2", *MEASURE_COMMON)
     assert again.returncode == 0 and again.stdout.count("skipped (recorded before)") == 2, again.stdout[-2000:]
+
+
+@pytest.mark.mutation
+@pytest.mark.parametrize("defect", ["user_layout_trained", "ascending_order"])
+def test_measured_plan_check_catches_a_wrong_ranking(measured_plan, monkeypatch, defect):
+    """`plan --measure` replayed in this process on the recorded sweep (no training: each point's
+    row is the one recorded for its overrides) with a defect: every candidate run with the user's
+    layout (their overrides, not the candidate's), or the table sorted the wrong way."""
+    from toolkit.config.store import compose_config
+    from toolkit.report import measure
+    from toolkit.report.sweep import SweepOptions, point_key
+
+    directory = measured_plan[0]
+    recorded = rows(directory)
+    overrides = [o for o in MEASURE_COMMON if "=" in o and not o.startswith("-")]
+
+    def replay(cfg, point_overrides, *_):
+        key = point_key(point_overrides)
+        return recorded.get(key, {"point": key, "status": "not recorded"}) | {"skipped": True}
+
+    monkeypatch.setattr(measure, "run_point", replay)
+    if defect == "user_layout_trained":
+        monkeypatch.setattr(measure, "candidate_overrides", lambda candidate, user: list(user))
+    table = measure.measured_table
+    if defect == "ascending_order":
+        monkeypatch.setattr(measure, "sorted", lambda items, key: list(reversed(sorted(items, key=key))), raising=False)
+    replayed = table(measure.measure_top(compose_config(overrides), 2, overrides, directory, SweepOptions()))
+    with pytest.raises(AssertionError):
+        check_measured_plan(replayed, directory)

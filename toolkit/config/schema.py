@@ -314,6 +314,8 @@ class FaultConfig:
     stall_at_step: Optional[int] = None  # ... at the start of this step ...
     stall_seconds: float = 3600.0  # ... for this long
     nan_at_step: Optional[int] = None  # the loss of this step becomes NaN
+    oom_rank: Optional[int] = None  # this rank runs out of device memory ...
+    oom_at_step: Optional[int] = None  # ... at the start of this step (raised as the allocator raises it)
     crash_in_save_at_step: Optional[int] = None  # rank 0 dies after writing, before publishing, this save
     corrupt_checkpoint_at_step: Optional[int] = None  # the checkpoint of this step is damaged after publishing
 

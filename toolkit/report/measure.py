@@ -40,21 +40,32 @@ def measure_top(cfg: Config, k: int, user_overrides: list[str], sweep_dir: Path,
     return measured
 
 
+def layout_label(candidate: Candidate) -> str:
+    """What tells two candidates apart: the split, micro-batch and ZeRO stage, sequence parallel
+    and recompute where they are on (two candidates may differ only there)."""
+    lay, c = candidate.layout, candidate.cfg
+    label = f"tp={lay.tp} pp={lay.pp} vpp={lay.vpp} dp={lay.dp} mb={lay.micro_batch} z={c.zero.stage}"
+    if c.parallel.sequence_parallel:
+        label += " sp"
+    if str(c.recompute.granularity) != "none":
+        label += f" rc={c.recompute.granularity}"
+    return label
+
+
 def measured_table(measured) -> str:
     """Ranked by measured tokens/s (failed points last), the planner's rank and figures beside."""
     order = sorted(measured, key=lambda m: -(m[2].get("tokens_per_s") or float("-inf")))
     lines = [
-        f"{'#':>2} {'plan #':>6}  {'layout':<34}{'predicted tok/s':>16}{'measured tok/s':>15}{'error':>8}"
+        f"{'#':>2} {'plan #':>6}  {'layout':<46}{'predicted tok/s':>16}{'measured tok/s':>15}{'error':>8}"
         f"{'pred GiB':>9}{'meas GiB':>9}  status"
     ]
     for i, (rank, candidate, row) in enumerate(order, start=1):
-        lay = candidate.layout
-        shape = f"tp={lay.tp} pp={lay.pp} vpp={lay.vpp} dp={lay.dp} mb={lay.micro_batch} z={candidate.cfg.zero.stage}"
+        shape = layout_label(candidate)
         predicted, got = candidate.step.tokens_per_s, row.get("tokens_per_s")
         error = f"{predicted / got - 1:+.0%}" if got else "-"
         memory = f"{row['memory_gib']:.2f}" if row.get("memory_gib") else "-"
         lines.append(
-            f"{i:>2} {rank:>6}  {shape:<34}{predicted:>16,.0f}{(f'{got:,.0f}' if got else '-'):>15}{error:>8}"
+            f"{i:>2} {rank:>6}  {shape:<46}{predicted:>16,.0f}{(f'{got:,.0f}' if got else '-'):>15}{error:>8}"
             f"{candidate.memory.total / 2**30:>9.2f}{memory:>9}  {row['status']}"
         )
     return "\n".join(lines)

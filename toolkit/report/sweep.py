@@ -19,6 +19,7 @@ import io
 import json
 import os
 import re
+import signal
 import statistics
 import subprocess
 import time
@@ -60,6 +61,7 @@ COLUMNS = (
     "error",
 )
 FINISHED = ("ok", "out_of_memory", "failed", "timed_out", "invalid")
+STOP_GRACE_S = 40.0  # torchrun's own grace for its ranks (30 s) and its exit
 OOM_SIGNS = ("CUDA out of memory", "OutOfMemoryError", "out of memory", "Cannot allocate memory")
 
 
@@ -209,9 +211,17 @@ def _train(cfg: Config, layout: Layout, run_dir: Path, timeout_s: float) -> tupl
             code = proc.wait(timeout=timeout_s)
         except subprocess.TimeoutExpired:
             code = None
+            # torchrun starts each rank in a session of its own (torch/distributed/elastic/
+            # multiprocessing/subprocess_handler): a SIGKILL to torchrun's group would leave them
+            # running. SIGTERM makes torchrun stop its ranks (SIGTERM, then SIGKILL after 30 s).
+            os.killpg(proc.pid, signal.SIGTERM)
+            try:
+                proc.wait(timeout=STOP_GRACE_S)
+            except subprocess.TimeoutExpired:
+                pass
         finally:
             try:
-                os.killpg(proc.pid, 9)
+                os.killpg(proc.pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
             proc.wait()

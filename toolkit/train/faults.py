@@ -96,7 +96,7 @@ class Watchdog:
 
 
 def inject_step_faults(fault: FaultConfig, step: int) -> None:
-    """Kill or stall this rank at the start of `step`, when asked to."""
+    """Kill, stall or run this rank out of memory at the start of `step`, when asked to."""
     if not first_attempt():
         return
     rank = torch.distributed.get_rank()
@@ -110,6 +110,9 @@ def inject_step_faults(fault: FaultConfig, step: int) -> None:
             flush=True,
         )
         time.sleep(fault.stall_seconds)
+    if fault.oom_rank == rank and fault.oom_at_step == step:
+        # torch.OutOfMemoryError is what CUDA's caching allocator raises (c10/cuda/CUDACachingAllocator.cpp)
+        raise torch.OutOfMemoryError(f"fault injection: CUDA out of memory on rank {rank} at step {step}")
 
 
 def corrupt(directory: Path) -> None:
