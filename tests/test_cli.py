@@ -117,7 +117,8 @@ def test_generate_recipe_writes_five_files_upstream_accepts(generated_recipes, r
     if resolved.cluster.nodes > 1:
         assert f"#SBATCH --nodes={resolved.cluster.nodes}" in text and "srun" in text and "--rdzv-backend c10d" in text
     else:
-        assert f"torchrun --standalone --nnodes 1 --nproc-per-node {resolved.cluster.gpus_per_node}" in text
+        assert f'"${{TORCHRUN[@]}}" --standalone --nnodes 1 --nproc-per-node {resolved.cluster.gpus_per_node}' in text
+    assert 'TORCHRUN=("${PARAKIT_PYTHON:-python3}" -m toolkit.train.torchrun)' in text
 
 
 def test_multirun_sweeps_zero_stages(tmp_path):

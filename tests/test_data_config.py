@@ -40,6 +40,7 @@ def prefixes(tmp_path):
         "other": fake_prefix(tmp_path, "other", tokenizer="/tok/b", vocab=32_000),
         "bare": str(tmp_path / "bare"),  # files but no manifest: Megatron-LM's own preprocessing
         "missing": str(tmp_path / "missing"),
+        "torn": fake_prefix(tmp_path, "torn"),  # its manifest cut short below
     }
 
 
@@ -47,10 +48,12 @@ def test_rules_reject_and_accept_the_neighbour(compose, prefixes):
     for suffix in (".bin", ".idx"):
         Path(prefixes["bare"] + suffix).touch()
     a, b, other = prefixes["a"], prefixes["b"], prefixes["other"]
+    manifest_path(prefixes["torn"]).write_text('{"tokenizer": "/tok/a", ')  # the ranks would read it too
     cases = [  # rule, bad overrides, good neighbour, text of the message
         ("data_path", [f"data.path={prefixes['missing']}"], [f"data.path={a}"], "parakit data prepare"),
         ("data_path", [f"data.path='0.5 {a} {b}'"], [f"data.path='0.5 {a} 0.5 {b}'"], "weight-prefix pairs"),
         ("data_path", [f"data.path='x {a} 1 {b}'"], [f"data.path='1 {a} 1 {b}'"], "follows its weight"),
+        ("data_manifest", [f"data.path={prefixes['torn']}"], [f"data.path={a}"], "JSONDecodeError"),
         ("data_tokenizer", [f"data.path='0.5 {a} 0.5 {other}'"], [f"data.path='0.5 {a} 0.5 {b}'"], "same --tokenizer"),
         ("vocab_tokenizer", [f"data.path={a}", "model.vocab_size=50257"], [f"data.path={a}"], "model.vocab_size=76000"),
         (

@@ -120,8 +120,60 @@ def test_validate_refuses_a_mismatched_or_missing_hf_path_and_accepts_model_hf(t
     assert mismatch.fields["model.num_layers"] == 8 and "model.num_layers=8 vs 4" in mismatch.message
     assert f"model=hf model.hf_path={QWEN2_CONFIG}" in mismatch.fix
     assert "no such directory" in rules("model=tiny", f"model.hf_path={tmp_path / 'absent'}")["hf_path"].message
-    # The neighbour: the same directory with model=hf (both backends read Hugging Face weights).
-    assert not rules("model=hf", f"model.hf_path={QWEN2_CONFIG}")
+    # The neighbour: the same architecture with model=hf (both backends read Hugging Face weights),
+    # in a directory that has weights (the validator looks for the files, not into them).
+    with_weights = tmp_path / "with_weights"
+    with_weights.mkdir()
+    shutil.copy(QWEN2_CONFIG / "config.json", with_weights)
+    (with_weights / "model.safetensors").touch()
+    assert not rules("model=hf", f"model.hf_path={with_weights}")
+
+
+@pytest.mark.parametrize("backend", ["megatron", "deepspeed"])
+def test_an_hf_directory_without_weights_is_refused_before_any_rank_starts(tmp_path, capsys, backend):
+    """Every rank would open the weights (HfTensors on megatron, from_pretrained on deepspeed) and
+    fail: the validator names model.hf_path, what is missing and the fix, once, before launch."""
+    from toolkit.cli import main
+    from toolkit.plan.validate import validate
+
+    hf = tmp_path / "hf"
+    hf.mkdir()
+    shutil.copy(QWEN2_CONFIG / "config.json", hf)
+    overrides = ["model=hf", f"model.hf_path={hf}", "data=synthetic", f"backend={backend}", "zero=1"]
+
+    def weights_error(*more):
+        return {v.rule: v for v in validate(compose_config([*overrides, *more])).errors}.get("hf_weights")
+
+    error = weights_error()
+    assert error and error.fields == {"model.hf_path": str(hf)} and "no weights" in error.message, error
+    assert "save_pretrained" in error.fix and "train.init_checkpoint" in error.fix
+    assert main(["validate", *overrides]) == 2 and "[hf_weights]" in capsys.readouterr().err
+    # An index naming a shard that is not there; the neighbour: every shard there.
+    shards = [f"model-0000{i}-of-00002.safetensors" for i in (1, 2)]
+    (hf / "model.safetensors.index.json").write_text(json.dumps({"weight_map": dict(zip("ab", shards))}))
+    (hf / shards[0]).touch()
+    error = weights_error()
+    assert shards[1] in error.message and shards[0] not in error.message, error
+    (hf / shards[1]).touch()
+    assert weights_error() is None
+    # PyTorch's pytorch_model.bin: transformers' from_pretrained reads it, HfTensors does not.
+    for path in [hf / "model.safetensors.index.json", *(hf / s for s in shards)]:
+        path.unlink()
+    (hf / "pytorch_model.bin").touch()
+    assert (weights_error() is None) == (backend == "deepspeed")
+
+
+def test_an_init_checkpoint_replaces_the_hf_weights(tmp_path):
+    """megatron's setup loads train.init_checkpoint instead of model.hf_path's weights: a directory
+    with config.json only is enough then (README: convert once, train from the checkpoint)."""
+    from toolkit.plan.validate import validate
+
+    checkpoint = tmp_path / "checkpoint"
+    checkpoint.mkdir()
+    (checkpoint / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    overrides = ["model=hf", f"model.hf_path={QWEN2_CONFIG}", "data=synthetic"]
+    assert "hf_weights" in {v.rule for v in validate(compose_config(overrides)).errors}
+    assert not validate(compose_config([*overrides, f"train.init_checkpoint={checkpoint}"])).errors
 
 
 def test_qkv_interleave_is_the_inverse_of_the_megatron_to_hf_split():

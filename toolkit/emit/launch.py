@@ -45,6 +45,9 @@ def _entry(cfg: Config) -> str:
     megatron backend optionally Megatron-LM's pretrain_gpt.py with megatron_args.txt."""
     lines = [
         'ENTRY=(-m toolkit.train --config-dir "$RUN_DIR" --config-name config)',
+        "# torchrun that reports failed ranks in one message (toolkit/train/torchrun.py), in the Python",
+        "# that trains (PARAKIT_PYTHON, default python3 on PATH)",
+        'TORCHRUN=("${PARAKIT_PYTHON:-python3}" -m toolkit.train.torchrun)',
     ]
     if backend_of(cfg).megatron_lm_entry:
         rs = cfg.model.rope_scaling
@@ -61,6 +64,7 @@ def _entry(cfg: Config) -> str:
                 "  # shellcheck disable=SC2046  # one flag and its value per line: split on whitespace",
                 '  ENTRY=("${MEGATRON_LM_DIR:?set MEGATRON_LM_DIR}/pretrain_gpt.py" '
                 '$(cat "$RUN_DIR/megatron_args.txt"))',
+                "  TORCHRUN=(torchrun)  # its Python need not have parakit",
             ]
         lines += ['if [[ "${PARAKIT_ENTRY:-parakit}" == megatron-lm ]]; then', *run_megatron_lm, "fi"]
     return "\n".join(lines)
@@ -99,7 +103,7 @@ def _multi_node_body(cfg: Config, restarts: str) -> list[str]:
     if container:
         container.append('--container-workdir="$RUN_DIR"')
     torchrun = (
-        f"torchrun --nnodes {c.nodes} --nproc-per-node {c.gpus_per_node} {restarts} --rdzv-backend c10d "
+        f'"${{TORCHRUN[@]}}" --nnodes {c.nodes} --nproc-per-node {c.gpus_per_node} {restarts} --rdzv-backend c10d '
         f'--rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID" "${{ENTRY[@]}}"'
     )
     return [
@@ -202,7 +206,9 @@ def launch_script(cfg: Config, layout: Layout) -> str:
     body.append(_entry(cfg))
     restarts = f"--max-restarts ${{PARAKIT_MAX_RESTARTS:-{cfg.train.fault.max_restarts}}}"
     if c.nodes == 1:
-        body.append(f'torchrun --standalone --nnodes 1 --nproc-per-node {c.gpus_per_node} {restarts} "${{ENTRY[@]}}"')
+        body.append(
+            f'"${{TORCHRUN[@]}}" --standalone --nnodes 1 --nproc-per-node {c.gpus_per_node} {restarts} "${{ENTRY[@]}}"'
+        )
     else:
         body += _multi_node_body(cfg, restarts)
     return "\n".join(header + body) + "\n"

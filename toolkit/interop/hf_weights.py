@@ -22,13 +22,11 @@ make_vocab_size_divisible_by * tp) are zero.
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
-
 import torch
 
 from toolkit.config.schema import ModelConfig
 from toolkit.interop.hf_arch import HfConfigError, check_matches
+from toolkit.interop.hf_files import weight_files
 from toolkit.plan.params import head_dim, kv_heads
 
 
@@ -40,22 +38,11 @@ class HfTensors:
     def __init__(self, path: str):
         from safetensors import safe_open
 
-        directory = Path(path)
-        index = directory / "model.safetensors.index.json"
-        if index.is_file():  # sharded checkpoint: name -> file
-            files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-        else:
-            files = sorted(p.name for p in directory.glob("*.safetensors"))
-        if not files:
-            raise HfConfigError(
-                f"model.hf_path={path}: no *.safetensors files; save the model with save_pretrained "
-                "(safetensors is its default), or convert a PyTorch .bin checkpoint first"
-            )
         self.path = path
         self._where: dict[str, str] = {}
-        for file in files:
-            with safe_open(str(directory / file), framework="pt") as handle:  # reads the header only
-                self._where.update(dict.fromkeys(handle.keys(), str(directory / file)))
+        for file in weight_files(path):  # the validator checked the same list before the ranks started
+            with safe_open(str(file), framework="pt") as handle:  # reads the header only
+                self._where.update(dict.fromkeys(handle.keys(), str(file)))
 
     def _name(self, name: str) -> str | None:
         # Older GPT-2 checkpoints (openai-community/gpt2) store the body without `transformer.`.

@@ -103,7 +103,9 @@ class Backend:
     # Checkpoints, weights and launch.
     checkpoint_format: str
     async_save: bool
-    hf_weights: bool  # starts from a Hugging Face model directory (model.hf_path)
+    # The weight formats (toolkit.interop.hf_files.FORMATS) it starts from in a Hugging Face model
+    # directory (model.hf_path), in the order it looks for them; empty: none.
+    hf_weights: tuple[str, ...]
     megatron_lm_entry: bool  # launch.sh can run Megatron-LM's pretrain_gpt.py instead of parakit's trainer
     # Packages that options need where the run trains (checked there before any rank starts).
     packages: tuple[Package, ...] = ()
@@ -157,7 +159,7 @@ MEGATRON = Backend(
     grad_reduce=GradReduce.OVERLAPPED_BUCKETS,
     checkpoint_format="megatron-core dist_checkpointing, fully reshardable (loads at any dp/tp/pp)",
     async_save=True,
-    hf_weights=True,  # read into each rank's chunks at any layout (toolkit.interop.hf_weights)
+    hf_weights=("safetensors",),  # read into each rank's chunks at any layout (toolkit.interop.hf_weights)
     megatron_lm_entry=True,
     # Context parallel, sequence parallel and sliding windows run without TE (toolkit.train's local spec).
     packages=(TRANSFORMER_ENGINE_FP8,),
@@ -200,7 +202,8 @@ DEEPSPEED = Backend(
     grad_reduce=GradReduce.ZERO_STAGED,
     checkpoint_format="DeepSpeed engine checkpoint (zero_to_fp32 consolidates it)",
     async_save=False,
-    hf_weights=True,
+    # transformers' from_pretrained (modeling_utils._get_resolved_checkpoint_files): safetensors first
+    hf_weights=("safetensors", "pytorch_bin"),
     megatron_lm_entry=False,
 )
 

@@ -20,8 +20,8 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from toolkit.config.schema import TOKENIZER_VOCAB, Config, DataName
-from toolkit.data.manifest import parse_blend, read_manifest
-from toolkit.interop import hf_arch
+from toolkit.data.manifest import manifest_path, parse_blend, read_manifest
+from toolkit.interop import hf_arch, hf_files
 from toolkit.plan.backends import Package, backend_of, packages_needed, supporting
 from toolkit.plan.fit import memory_problem
 from toolkit.plan.layout import (
@@ -245,6 +245,7 @@ def _model(cfg: Config) -> Iterator[Violation]:
             f"set model.seq_length<={m.max_position_embeddings} (or raise max_position_embeddings for a new model)",
         )
     yield from _hf_path(cfg)
+    yield from _hf_weights(cfg)
     yield from _init_checkpoint(cfg)
 
 
@@ -284,6 +285,20 @@ def _hf_path(cfg: Config) -> Iterator[Violation]:
             f"its config.json describes another model (configured vs config.json): {hf_arch.describe(diff)}",
             hf_arch.MISMATCH_FIX.format(path=m.hf_path),
         )
+
+
+def _hf_weights(cfg: Config) -> Iterator[Violation]:
+    """The weight files every rank opens in model.hf_path are there (toolkit.interop.hf_files: the
+    list HfTensors reads, and the names transformers' from_pretrained looks for), unless
+    train.init_checkpoint replaces them (megatron_backend's setup loads one or the other)."""
+    m, formats = cfg.model, backend_of(cfg).hf_weights
+    if not m.hf_path or cfg.train.init_checkpoint or not formats or not Path(m.hf_path).expanduser().is_dir():
+        return  # no such directory: _hf_path says so
+    try:
+        hf_files.weight_files(m.hf_path, formats)
+    except hf_arch.HfConfigError as e:
+        what, _, fix = str(e).partition("; ")
+        yield _err("hf_weights", {"model.hf_path": m.hf_path}, what.removeprefix(f"model.hf_path={m.hf_path}: "), fix)
 
 
 def _rope(cfg: Config) -> Iterator[Violation]:
@@ -893,7 +908,16 @@ def _data(cfg: Config) -> Iterator[Violation]:
             if isinstance(item, Violation):
                 yield item
                 continue
-            manifest = read_manifest(item)
+            try:  # the ranks read it too (toolkit.train.data)
+                manifest = read_manifest(item)
+            except (ValueError, TypeError, AttributeError) as e:
+                yield _err(
+                    "data_manifest",
+                    {"data.path": item},
+                    f"{manifest_path(item)} is not a manifest parakit data prepare wrote ({type(e).__name__}: {e})",
+                    f"prepare it again: parakit data prepare FILES... --output {item} --overwrite",
+                )
+                continue
             key = (manifest.tokenizer, manifest.vocab_size, manifest.eod) if manifest else (d.tokenizer, None, None)
             vocabularies.setdefault(key, []).append(item)
     else:

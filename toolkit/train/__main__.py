@@ -13,6 +13,7 @@ import sys
 from pathlib import Path
 
 from toolkit.plan.validate import ValidationError
+from toolkit.train import rank_errors
 from toolkit.train.trainer import load_run_config, quiet_upstream_notices, run_to_exit_code
 
 
@@ -29,8 +30,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         return run_to_exit_code(load_run_config(args.config_dir, args.config_name), args.config_dir)
     except ValidationError as error:
-        print(error, file=sys.stderr)
+        rank_errors.known(str(error))
         return 2
+    except Exception as error:  # nothing foresaw it: the launcher names the rank and the cause once
+        if not rank_errors.unexpected(error, args.config_dir):
+            raise
+        return 1
     finally:
         end_helper_processes()
 

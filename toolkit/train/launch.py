@@ -1,7 +1,8 @@
 """Start training for `parakit train`: in this process for one rank, else through torchrun.
 
 parakit never implements a process launcher: several local ranks run under torchrun
-(`--standalone`, with --max-restarts), exactly as launch.sh starts them.
+(`--standalone`, with --max-restarts), exactly as launch.sh starts them, through
+toolkit.train.torchrun, which reports failed ranks in one message.
 """
 
 from __future__ import annotations
@@ -19,10 +20,11 @@ from toolkit.plan.layout import Layout
 
 
 def torchrun_command(layout: Layout, run_dir: Path, nproc: int, max_restarts: int = 0) -> list[str]:
+    """torchrun (toolkit.train.torchrun: failed ranks reported in one message) on this node."""
     return [
         sys.executable,
         "-m",
-        "torch.distributed.run",
+        "toolkit.train.torchrun",
         "--standalone",
         "--nnodes",
         "1",

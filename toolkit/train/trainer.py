@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import importlib
 import logging
-import sys
 import warnings
 from pathlib import Path
 
@@ -79,17 +78,19 @@ def run_to_exit_code(cfg: Config, run_dir: Path) -> int:
     """Train; a non-finite loss that stops the run (train.fault.nan_action=stop), Hugging Face
     weights that do not fit the model, or a checkpoint this layout cannot resume from, are
     reported in one line, not as a traceback: 1; a configuration this node cannot train (a
-    package it lacks) with its errors: 2."""
+    package it lacks) with its errors: 2. Under torchrun the launcher prints that line once for
+    every rank (toolkit.train.rank_errors)."""
     from toolkit.interop.hf_arch import HfConfigError
     from toolkit.plan.validate import ValidationError
+    from toolkit.train import rank_errors
     from toolkit.train.checkpoint import ResumeError
 
     try:
         run(cfg, run_dir)
     except ValidationError as error:  # e.g. a package this node lacks
-        print(f"parakit train: {error}", file=sys.stderr, flush=True)
+        rank_errors.known(str(error))
         return 2
     except (FloatingPointError, HfConfigError, ResumeError) as error:  # what and the fix
-        print(f"parakit train: {error}", file=sys.stderr, flush=True)
+        rank_errors.known(str(error))
         return 1
     return 0
