@@ -45,6 +45,7 @@ def reproduce(tmp_path: Path, *args: str, timeout: int = 900) -> subprocess.Comp
 # ------------------------------------------------------------------ comparisons (no training)
 CURVE = {1: 10.0, 2: 9.5, 3: 9.0, 4: 8.8}
 HERE = "cpu: test machine, 2 cores"
+LRS = {1: 3e-5, 2: 6e-5, 3: 9e-5, 4: 1.2e-4}
 
 
 def baseline(**changes) -> Baseline:
@@ -107,17 +108,20 @@ def test_record_refuses_to_overwrite_a_different_baseline(tmp_path, compose, cap
     cfg = compose("recipe=tiny_cpu_zero3")
     figures = {"tokens_per_s": 1000.0, "memory_gib": 2.0}
     path = tmp_path / "baselines" / "r.yaml"
-    assert record(cfg, "r", [], [tmp_path], None, dict(CURVE), figures, HERE, force=False) == 0
+    assert record(cfg, "r", [], [tmp_path], None, (dict(CURVE), LRS), figures, HERE, force=False) == 0
     stored = path.read_text()
     existing = Baseline.from_yaml(stored, str(path))
     moved = CURVE | {2: 9.6}
-    assert record(cfg, "r", [], [tmp_path], existing, moved, figures, HERE, force=False) == 2
+    assert record(cfg, "r", [], [tmp_path], existing, (moved, LRS), figures, HERE, force=False) == 2
     said = capsys.readouterr().err
     assert "holds a different baseline (the loss at step 2 (9.500000 -> 9.600000))" in said and "--force" in said
     assert path.read_text() == stored  # untouched
-    assert record(cfg, "r", [], [tmp_path], existing, dict(CURVE), figures, HERE, force=False) == 0  # same result
-    assert record(cfg, "r", [], [tmp_path], existing, moved, figures, HERE, force=True) == 0
+    assert record(cfg, "r", [], [tmp_path], existing, (dict(CURVE), LRS), figures, HERE, force=False) == 0  # same
+    assert record(cfg, "r", [], [tmp_path], existing, (moved, LRS), figures, HERE, force=True) == 0
     assert Baseline.from_yaml(path.read_text(), str(path)).loss[2] == 9.6
+    other_schedule = (moved, LRS | {3: 1.01 * LRS[3]})
+    assert record(cfg, "r", [], [tmp_path], existing, other_schedule, figures, HERE, force=False) == 2
+    assert "the learning rate at step 3" in capsys.readouterr().err
 
 
 def test_layout_names_parse_and_bad_ones_name_the_syntax():
@@ -230,9 +234,10 @@ def test_record_writes_a_baseline_with_its_provenance(recorded):
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "altered, first_step",
-    # where the curve leaves the band: a 10% and a 1% learning rate (the recipe's 3e-4) leave it
-    # after the first update; another init seed and a layer dropped from the first loss on
-    [("optim.lr=3.3e-4", 2), ("optim.lr=3.03e-4", 2), ("train.seed=1235", 1), ("model.num_layers=7", 1)],
+    # where the curve leaves the band: a 10% learning rate (the recipe's 3e-4) after the first
+    # update; another init seed and a layer dropped from the first loss on. (A 1% learning rate
+    # stays inside the band over these 3 steps, measured: the lr curve catches it, below.)
+    [("optim.lr=3.3e-4", 2), ("train.seed=1235", 1), ("model.num_layers=7", 1)],
 )
 def test_an_altered_run_fails_with_the_step_and_the_deviation(tmp_path, recorded, altered, first_step):
     conf, _ = recorded
@@ -243,6 +248,27 @@ def test_an_altered_run_fails_with_the_step_and_the_deviation(tmp_path, recorded
     assert failed and failed[0] <= first_step + 1, rows  # named in the table, from its step on
     assert re.search(r"reproduce short: FAIL: loss at 3 step\(s\): max deviation \S+ at step \d", done.stdout)
     assert f"this run's overrides {altered} differ from the baseline's" in done.stdout
+
+
+@pytest.mark.slow
+def test_a_one_percent_learning_rate_fails_on_the_recorded_lr_curve(tmp_path, recorded):
+    conf, _ = recorded
+    stored = yaml.safe_load((conf / "baselines" / "short.yaml").read_text())
+    assert sorted(stored["lr"]) == [1, 2, 3] and all(v > 0 for v in stored["lr"].values())
+    done = reproduce(tmp_path, "--config-dir", str(conf), "recipe=short", "optim.lr=3.03e-4")
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    expected = stored["lr"][1]
+    assert f"learning rate at step 1: expected {expected:.6g}, measured {expected * 1.01:.6g}: FAIL" in done.stdout
+    assert "learning rate FAIL from step 1" in done.stdout
+
+
+def test_the_lr_check_fails_a_learning_rate_one_percent_off_and_passes_rounding():
+    base = baseline(lr=LRS)
+    same = compare(base, dict(CURVE), "elsewhere", {}, 1e-4, {s: v * (1 + 1e-12) for s, v in LRS.items()})
+    assert same.lr_mismatch is None and same.ok
+    off = compare(base, dict(CURVE), "elsewhere", {}, 1e-4, {**LRS, 2: 6e-5 * 1.01})
+    assert off.lr_mismatch == (2, 6e-5, 6e-5 * 1.01) and not off.ok
+    assert "learning rate FAIL from step 2" in off.verdict()
 
 
 @pytest.mark.slow

@@ -142,6 +142,11 @@ def loss_curve(run_dir: Path) -> dict[int, float]:
     return {r["step"]: r["loss"] for r in read_metrics(run_dir) if "loss" in r}
 
 
+def lr_curve(run_dir: Path) -> dict[int, float]:
+    """step -> learning rate, from the run's metrics.jsonl."""
+    return {r["step"]: r["lr"] for r in read_metrics(run_dir) if "lr" in r}
+
+
 def read_result(run_dir: Path) -> dict:
     """The run's result.json (a finished run's summary); {} when there is none or it is torn."""
     path = run_dir / "result.json"

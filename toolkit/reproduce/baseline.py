@@ -28,6 +28,10 @@ BASELINES = "baselines"  # the folder beside recipe/ in a config directory
 # tests/test_reproduce.py breaks on purpose within three steps (a 10% higher learning rate,
 # another seed, a layer dropped). bf16 runs on GPUs differ from run to run by nondeterministic
 # reductions (~1e-2 after a few hundred steps in Megatron-LM's functional tests): a band of 0.05.
+# The learning rate per step is arithmetic in Python floats (toolkit/plan/lr_schedule.py), the same on
+# every machine: relative 1e-9 is rounding; the smallest defect it must catch, a learning rate 1%
+# off (inside the loss band over a short run: the first update moves the loss by ~1e-3), is 1e-2.
+LR_TOLERANCE = 1e-9
 LOSS_TOLERANCE = {"fp32": 1e-4, "bf16": 0.05, "fp16": 0.05, "fp8": 0.08}
 MIN_CORRELATION = 0.99  # of the measured and golden curves (Pearson), as golden-value checks use
 # Throughput on a shared CPU varies by tens of percent with the load; a GPU node by a few.
@@ -64,6 +68,9 @@ class Baseline:
     overrides: list[str] = field(default_factory=list)  # what the recorded run was given besides the recipe
     loss: dict[int, float] = field(default_factory=dict)  # step -> loss: the golden curve
     loss_tolerance: float | None = None
+    # step -> learning rate: the schedule the curve was trained with (none in a baseline recorded
+    # before parakit kept it: not compared)
+    lr: dict[int, float] = field(default_factory=dict)
     min_correlation: float = MIN_CORRELATION
     hardware: dict[str, Measured] = field(default_factory=dict)  # hardware class -> figures
     published: Published | None = None
@@ -72,6 +79,7 @@ class Baseline:
     def to_yaml(self) -> str:
         document = asdict(self)
         document["loss"] = {int(k): float(v) for k, v in sorted(self.loss.items())}
+        document["lr"] = {int(k): float(v) for k, v in sorted(self.lr.items())}
         if self.published is None:
             document.pop("published")
         return yaml.safe_dump(document, sort_keys=False, width=110)
@@ -85,7 +93,8 @@ class Baseline:
             hardware = {k: Measured(**v) for k, v in (document.pop("hardware", None) or {}).items()}
             published = document.pop("published", None)
             loss = {int(k): float(v) for k, v in (document.pop("loss", None) or {}).items()}
-            return cls(**document, loss=loss, hardware=hardware, published=published and Published(**published))
+            lr = {int(k): float(v) for k, v in (document.pop("lr", None) or {}).items()}
+            return cls(**document, loss=loss, lr=lr, hardware=hardware, published=published and Published(**published))
         except (TypeError, ValueError) as e:
             raise BaselineError(f"{where}: {e}") from None
 

@@ -10,7 +10,7 @@ import math
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from toolkit.reproduce.baseline import Baseline
+from toolkit.reproduce.baseline import LR_TOLERANCE, Baseline
 
 # Fewer timed steps and one slow step moves the median: a 4-step run of tiny_cpu_zero3 (2 timed
 # steps) on a loaded 2-core machine measured -36% against its 40-step figure, past its 35% tolerance.
@@ -62,6 +62,8 @@ class Comparison:
     missing_steps: list[int]  # golden steps the run did not reach (a shorter run: not compared)
     figures: list[Figure] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # the first step whose learning rate is not the baseline's: (step, expected, measured)
+    lr_mismatch: tuple[int, float, float] | None = None
 
     @property
     def max_deviation(self) -> float:
@@ -74,13 +76,16 @@ class Comparison:
 
     @property
     def ok(self) -> bool:
-        return self.loss_ok and all(f.ok for f in self.figures)
+        return self.loss_ok and self.lr_mismatch is None and all(f.ok for f in self.figures)
 
     def table(self) -> str:
         lines = [f"{'step':>5}  {'expected':>12}  {'measured':>12}  {'deviation':>10}  verdict"]
         for r in self.loss_rows:
             verdict = "ok" if r.deviation <= self.tolerance else f"FAIL (> {self.tolerance:g})"
             lines.append(f"{r.step:>5}  {r.expected:>12.6f}  {r.measured:>12.6f}  {r.deviation:>10.2e}  {verdict}")
+        if self.lr_mismatch:
+            step, expected, got = self.lr_mismatch
+            lines.append(f"learning rate at step {step}: expected {expected:.6g}, measured {got:.6g}: FAIL")
         for f in self.figures:
             measured = "none" if f.measured is None else f"{f.measured:,.4g} {f.unit}"
             change = "" if f.change is None else f" ({f.change:+.1%})"
@@ -102,6 +107,8 @@ class Comparison:
             f"loss at {len(self.loss_rows)} step(s): max deviation {worst.deviation:.2e} at step {worst.step} "
             f"(tolerance {self.tolerance:g}), correlation {correlation} (at least {self.min_correlation:g})"
         ]
+        if self.lr_mismatch:
+            parts.append(f"learning rate FAIL from step {self.lr_mismatch[0]}")
         parts += [f"{f.name} {'ok' if f.ok else 'FAIL'}" for f in self.figures]
         return f"{head}: " + "; ".join(parts)
 
@@ -119,6 +126,7 @@ class Comparison:
                 "steps": [asdict(r) | {"deviation": r.deviation} for r in self.loss_rows],
                 "not_reached": self.missing_steps,
             },
+            "lr_mismatch": self.lr_mismatch,
             "figures": [asdict(f) | {"change": f.change, "pass": f.ok} for f in self.figures],
             "notes": self.notes,
         }
@@ -135,8 +143,24 @@ def correlation(xs: list[float], ys: list[float]) -> float | None:
     return float(np.corrcoef(xs, ys)[0, 1])
 
 
-def compare(baseline: Baseline, losses: dict[int, float], hardware: str, figures: dict, tolerance: float) -> Comparison:
-    """The run's losses (step -> loss) and figures (tokens_per_s, memory_gib) against `baseline`."""
+def first_lr_mismatch(expected: dict[int, float], got: dict[int, float]) -> tuple[int, float, float] | None:
+    """The first step both curves have whose learning rates differ by more than LR_TOLERANCE."""
+    for step in sorted(set(expected) & set(got)):
+        if abs(got[step] - expected[step]) > LR_TOLERANCE * max(abs(expected[step]), 1e-30):
+            return step, expected[step], got[step]
+    return None
+
+
+def compare(
+    baseline: Baseline,
+    losses: dict[int, float],
+    hardware: str,
+    figures: dict,
+    tolerance: float,
+    lrs: dict[int, float] | None = None,
+) -> Comparison:
+    """The run's losses (step -> loss), learning rates and figures (tokens_per_s, memory_gib)
+    against `baseline`."""
     rows = [LossRow(step, baseline.loss[step], losses[step]) for step in sorted(losses) if step in baseline.loss]
     missing = sorted(set(baseline.loss) - set(losses))
     result = Comparison(
@@ -148,6 +172,10 @@ def compare(baseline: Baseline, losses: dict[int, float], hardware: str, figures
         correlation([r.expected for r in rows], [r.measured for r in rows]),
         missing,
     )
+    if baseline.lr and lrs:
+        result.lr_mismatch = first_lr_mismatch(baseline.lr, lrs)
+    elif not baseline.lr:
+        result.notes.append("learning rate not compared: the baseline has no lr curve (record it again to keep one)")
     if missing:
         result.notes.append(f"the run stopped before step {missing[0]}: steps {missing[0]}..{missing[-1]} not compared")
     expected = baseline.hardware.get(hardware)

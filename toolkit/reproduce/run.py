@@ -73,15 +73,15 @@ def reproduce(
     if code != 0:
         print(f"reproduce {recipe}: FAIL: the run exited with {code}; nothing compared (its log: {run_dir})")
         return 1
-    from toolkit.report.sweep import loss_curve, measured
+    from toolkit.report.sweep import loss_curve, lr_curve, measured
 
-    losses = loss_curve(run_dir)
+    losses, lrs = loss_curve(run_dir), lr_curve(run_dir)
     figures = measured(run_dir, WARMUP_STEPS)
     hardware = bl.hardware_class(str(cfg.cluster.device))
     if opts.record:
-        return record(cfg, recipe, overrides, dirs, baseline, losses, figures, hardware, opts.force)
+        return record(cfg, recipe, overrides, dirs, baseline, (losses, lrs), figures, hardware, opts.force)
 
-    comparison = compare(baseline, losses, hardware, figures, baseline.loss_tolerance or _loss_tolerance(cfg))
+    comparison = compare(baseline, losses, hardware, figures, baseline.loss_tolerance or _loss_tolerance(cfg), lrs)
     mine, theirs = _numeric_overrides(overrides), _numeric_overrides(baseline.overrides)
     if mine != theirs:
         comparison.notes.append(
@@ -113,6 +113,10 @@ def _differences(old: bl.Baseline, new: bl.Baseline, hardware: str) -> list[str]
         worst = max(old.loss, key=lambda s: abs(old.loss[s] - new.loss[s]), default=None)
         if worst is not None and abs(old.loss[worst] - new.loss[worst]) > tolerance:
             found.append(f"the loss at step {worst} ({old.loss[worst]:.6f} -> {new.loss[worst]:.6f})")
+    from toolkit.reproduce.compare import first_lr_mismatch
+
+    if old.lr and (mismatch := first_lr_mismatch(old.lr, new.lr)):
+        found.append(f"the learning rate at step {mismatch[0]} ({mismatch[1]:.6g} -> {mismatch[2]:.6g})")
     before, after = old.hardware.get(hardware), new.hardware[hardware]
     if before is not None:
         if abs(after.tokens_per_s / before.tokens_per_s - 1) > before.tokens_per_s_tolerance:
@@ -126,15 +130,17 @@ def _differences(old: bl.Baseline, new: bl.Baseline, hardware: str) -> list[str]
     return found
 
 
-def record(cfg, recipe, overrides, dirs, existing, losses, figures, hardware, force) -> int:
+def record(cfg, recipe, overrides, dirs, existing, curves, figures, hardware, force) -> int:
     from toolkit.emit.files import write_atomic
 
+    losses, lrs = curves
     device = str(cfg.cluster.device)
     new = bl.Baseline(
         recipe=recipe,
         overrides=_numeric_overrides(overrides),
         loss=losses,
         loss_tolerance=_loss_tolerance(cfg),
+        lr=lrs,
         hardware={
             **(existing.hardware if existing else {}),
             hardware: bl.Measured(
