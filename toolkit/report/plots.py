@@ -140,7 +140,7 @@ def _titled(what: str, data: ReportData) -> str:
 
 def gain_per_doubling(step: Doubling) -> float:
     """Throughput gain per 2x of ranks: a 4x step that gained g counts as two doublings of sqrt(g)."""
-    return step.gain ** (1 / math.log2(step.to_ranks / step.from_ranks))
+    return step.gain_per_doubling
 
 
 def per_doubling(step: Doubling) -> float:

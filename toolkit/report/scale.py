@@ -49,7 +49,10 @@ def point_overrides(cfg: Config, dim: str, mode: str, start: int, ranks: int) ->
         out.append("parallel.dp=null")
     # weak: the batch per data-parallel rank stays, so the global batch grows with dp
     batch = cfg.train.global_batch * (factor if dim == "dp" and mode == "weak" else 1)
-    return [*out, f"train.global_batch={batch}"]
+    out.append(f"train.global_batch={batch}")
+    if cfg.train.grad_accum is not None:  # derived at every size (strong scaling of dp divides it)
+        out.append("train.grad_accum=null")
+    return out
 
 
 def with_overrides(cfg: Config, dotlist: list[str]) -> Config:
@@ -87,8 +90,11 @@ def run_scale(
 
 
 def scaling_table(rows: list[dict], threshold: float) -> str:
+    """The curve, one line per size, and the verdict; a point that did not finish (its partial
+    figures are in its line) is on no doubling, as in `parakit report`."""
     lines = [f"{'ranks':>6}{'layout':>22}{'tokens/s':>12}{'predicted':>12}{'gain':>8}{'efficiency':>12}  status"]
-    gains = {d.to_ranks: d for d in doublings(rows, threshold)}
+    finished = [r for r in rows if r.get("status") == "ok"]
+    gains = {d.to_ranks: d for d in doublings(finished, threshold)}
     for r in sorted(rows, key=lambda r: r.get("world_size") or 0):
         shape = f"tp={r.get('tp')} pp={r.get('pp')} dp={r.get('dp')}"
         step = gains.get(r.get("world_size"))
@@ -100,8 +106,8 @@ def scaling_table(rows: list[dict], threshold: float) -> str:
             f"{r.get('world_size') or '-':>6}{shape:>22}{measured:>12}{predicted:>12}{gain:>8}{efficiency:>12}"
             f"  {r['status']}"
         )
-    line = verdict(rows, threshold)
-    stop = first_below(doublings(rows, threshold)) is not None
+    line = verdict(finished, threshold)
+    stop = first_below(doublings(finished, threshold)) is not None
     lines.append(f"\n{line}" + (": scale no further along this dimension" if stop else ""))
     return "\n".join(lines)
 
