@@ -91,6 +91,15 @@ def test_an_explicit_grad_accum_is_derived_again_at_each_size(base):
         check_curve(cfg, "dp", mode, 1, [1, 2, 4])
 
 
+def test_sizes_that_do_not_fill_whole_nodes_are_refused_before_any_point_runs(base, monkeypatch, tmp_path):
+    """6 ranks per node: 8 ranks would be 1 node of 6 (a 6-rank point recorded as the 8-rank one)."""
+    cfg = base("cluster.gpus_per_node=6")
+    assert scale.point_overrides(cfg, "dp", "weak", 1, 4)[:2] == ["cluster.nodes=1", "cluster.gpus_per_node=4"]
+    monkeypatch.setattr(scale, "run_point", lambda *a: pytest.fail("a point ran"))
+    with pytest.raises(scale.ScaleError, match="8 ranks do not fill whole nodes of cluster.gpus_per_node=6"):
+        scale.run_scale(cfg, [], "dp", "weak", (1, 8), 1.6, tmp_path, scale.SweepOptions())
+
+
 def weak_for_both(real):
     """Strong mode scales the batch as weak mode does."""
     return lambda cfg, dim, mode, start, ranks: real(cfg, dim, "weak", start, ranks)

@@ -42,6 +42,8 @@ def point_overrides(cfg: Config, dim: str, mode: str, start: int, ranks: int) ->
     split = p.tp * p.pp * p.cp
     if start % split:
         raise ScaleError(f"--ranks starts at {start}, fewer than tp*pp*cp = {split} of the composed layout")
+    if ranks > node and ranks % node:
+        raise ScaleError(f"{ranks} ranks do not fill whole nodes of cluster.gpus_per_node={node}: use a power of two")
     out = [f"cluster.nodes={max(1, ranks // node)}", f"cluster.gpus_per_node={min(ranks, node)}"]
     if dim in ("tp", "pp"):
         out += [f"parallel.{dim}={getattr(p, dim) * factor}", f"parallel.dp={start // split}"]
@@ -76,11 +78,12 @@ def run_scale(
     """Measure the curve; [row per size]. The composed layout's tp, pp and global batch are its
     start; ranks fill nodes of the composed cluster's gpus_per_node."""
     sizes = [ranks[0] * 2**i for i in range((ranks[1] // ranks[0]).bit_length())]
+    planned = {size: point_overrides(cfg, dim, mode, ranks[0], size) for size in sizes}  # a ScaleError before any run
     describe_sweep(sweep_dir, scaling={"dimension": dim, "mode": mode, "threshold": threshold})
     opts.total_points, opts.started = len(sizes), time.time()
     rows = []
     for i, size in enumerate(sizes, start=1):
-        mine = point_overrides(cfg, dim, mode, ranks[0], size)
+        mine = planned[size]
         keys = {o.split("=", 1)[0] for o in mine}
         overrides = [o for o in user_overrides if o.split("=", 1)[0].lstrip("+~") not in keys] + mine
         row = run_point(with_overrides(cfg, mine), overrides, sweep_dir / point_dir(overrides), sweep_dir, opts)
