@@ -6,6 +6,7 @@ import math
 import subprocess
 import sys
 import time
+from fractions import Fraction
 
 import pytest
 
@@ -238,6 +239,48 @@ def test_the_predicted_scaling_curve_doubles_the_gpus_and_judges_each_doubling(c
     ]
     verdict = first_below(doublings(sagging))
     assert (verdict.from_ranks, verdict.to_ranks) == (2, 4) and verdict.gain == pytest.approx(290 / 190)
+
+
+def check_predicted_batches(cfg, low: int, high: int) -> None:
+    """plan --scaling's sizes: each power of two from low to high on whole nodes of the cluster's
+    gpus_per_node; weak keeps the batch per GPU of the composed layout (its global batch over its
+    world size), strong keeps its global batch. Integer equalities: any batch that moves in strong
+    mode, or a size missed, fails."""
+    from toolkit.plan.scaling import predicted_curve, resized
+
+    c = cfg.cluster
+    per_gpu = Fraction(cfg.train.global_batch, c.nodes * c.gpus_per_node)
+    for mode in ("weak", "strong"):
+        rows = predicted_curve(cfg, low, high, mode)
+        gpus = [low * 2**i for i in range((high // low).bit_length())]
+        assert [r["world_size"] for r in rows] == gpus, rows
+        for r in rows:
+            sized = resized(cfg, r["world_size"], mode)
+            assert sized.cluster.nodes * sized.cluster.gpus_per_node == r["world_size"], sized.cluster
+            assert sized.cluster.gpus_per_node <= c.gpus_per_node
+            want = cfg.train.global_batch if mode == "strong" else per_gpu * r["world_size"]
+            assert r["global_batch"] == want == sized.train.global_batch, (mode, r, want)
+            assert "tokens_per_s" in r, r  # the tiny model fits at every size
+
+
+@pytest.fixture
+def tiny_on_cpu(compose):
+    """tiny on the cpu cluster (1 node of 4), a batch of 16: 4 sequences per GPU."""
+    return compose("data=synthetic", "train.global_batch=16", "train.micro_batch=1")
+
+
+def test_the_predicted_curve_keeps_the_batch_its_mode_keeps(tiny_on_cpu):
+    check_predicted_batches(tiny_on_cpu, 1, 16)
+
+
+@pytest.mark.mutation
+def test_the_predicted_batch_check_catches_strong_scaling_that_grows_the_batch(tiny_on_cpu, monkeypatch):
+    import toolkit.plan.scaling
+
+    real = toolkit.plan.scaling.resized
+    monkeypatch.setattr(toolkit.plan.scaling, "resized", lambda cfg, gpus, mode: real(cfg, gpus, "weak"))
+    with pytest.raises(AssertionError, match="strong"):
+        check_predicted_batches(tiny_on_cpu, 1, 16)
 
 
 def test_scale_and_plan_scaling_refuse_a_range_that_is_not_powers_of_two():

@@ -279,11 +279,34 @@ def test_a_weak_scaling_curve_is_measured_and_judged_per_doubling(scaled, tmp_pa
     ]
     first = next((where for gain, where in gains if gain < 1.6), None)
     assert (f"doubling {first} ranks gains" if first else "every doubling gains") in done.stdout, (gains, done.stdout)
+    # each row against the run directory it trained: config.yaml's layout and batch (weak: 2
+    # sequences per replica), metrics.jsonl's median tokens/s after the warm-up step (3 steps of 4:
+    # the middle one, the same float)
+    import statistics
+
+    from toolkit.config.store import load_run_config
+    from toolkit.plan.layout import resolve
+
+    for r in points:
+        run_dir = Path(r["run_dir"])
+        cfg = load_run_config(run_dir)
+        layout = resolve(cfg)
+        assert (layout.world_size, layout.dp, layout.tp, layout.pp) == (r["world_size"], r["dp"], 1, 1), r
+        assert cfg.train.global_batch == 2 * r["dp"], (r["point"], cfg.train.global_batch)
+        records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+        timed = [x for x in records if "loss" in x][1:]
+        assert len(timed) == 3 and r["tokens_per_s"] == statistics.median(x["tokens_per_s"] for x in timed), r
     from toolkit.cli import main
+    from toolkit.report.load import load
+    from toolkit.report.plots import draw
 
     assert main(["report", str(directory), "--output", str(tmp_path)]) == 0
     assert {"throughput", "efficiency"} <= {p.stem for p in tmp_path.glob("*.png")}
     assert "weak scaling of dp" in (tmp_path / "report.html").read_text()
+    plots, _ = draw(load(directory), tmp_path)
+    (ax,) = {p.name: p for p in plots}["throughput"].figure.axes
+    (line,) = [line for line in ax.lines if line.get_label() == "megatron dp=N zero1 mb2"]
+    assert list(zip(line.get_xdata(), line.get_ydata())) == [(r["world_size"], r["tokens_per_s"]) for r in points]
 
 
 MEASURE_COMMON = [*SHORT, "cluster.gpus_per_node=2", "train.global_batch=8"]

@@ -8,7 +8,7 @@ they never cover a point; rank axes are log2 (one tick per doubling).
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 from matplotlib.backends.backend_agg import FigureCanvasAgg
@@ -33,6 +33,9 @@ class Plot:
     title: str
     path: Path
     note: str = ""  # what the plot cannot show (shown under it on the page)
+    # The drawn figure, kept for whoever reads its series, axes and labels (the tests do); None
+    # for a picture copied from elsewhere (the reproduction's).
+    figure: Figure | None = field(default=None, repr=False, compare=False)
 
 
 def _figure(size=WIDE, panels: int = 1):
@@ -45,7 +48,7 @@ def _figure(size=WIDE, panels: int = 1):
 def _save(fig: Figure, out_dir: Path, name: str, title: str, note: str = "") -> Plot:
     path = out_dir / f"{name}.png"
     fig.savefig(path, dpi=DPI)
-    return Plot(name, title, path, note)
+    return Plot(name, title, path, note, fig)
 
 
 def _legend_outside(ax, **kwargs) -> None:
@@ -140,7 +143,7 @@ def _titled(what: str, data: ReportData) -> str:
 
 def gain_per_doubling(step: Doubling) -> float:
     """Throughput gain per 2x of ranks: a 4x step that gained g counts as two doublings of sqrt(g)."""
-    return step.gain ** (1 / math.log2(step.to_ranks / step.from_ranks))
+    return step.gain_per_doubling
 
 
 def per_doubling(step: Doubling) -> float:

@@ -42,6 +42,8 @@ def point_overrides(cfg: Config, dim: str, mode: str, start: int, ranks: int) ->
     split = p.tp * p.pp * p.cp
     if start % split:
         raise ScaleError(f"--ranks starts at {start}, fewer than tp*pp*cp = {split} of the composed layout")
+    if ranks > node and ranks % node:
+        raise ScaleError(f"{ranks} ranks do not fill whole nodes of cluster.gpus_per_node={node}: use a power of two")
     out = [f"cluster.nodes={max(1, ranks // node)}", f"cluster.gpus_per_node={min(ranks, node)}"]
     if dim in ("tp", "pp"):
         out += [f"parallel.{dim}={getattr(p, dim) * factor}", f"parallel.dp={start // split}"]
@@ -49,7 +51,10 @@ def point_overrides(cfg: Config, dim: str, mode: str, start: int, ranks: int) ->
         out.append("parallel.dp=null")
     # weak: the batch per data-parallel rank stays, so the global batch grows with dp
     batch = cfg.train.global_batch * (factor if dim == "dp" and mode == "weak" else 1)
-    return [*out, f"train.global_batch={batch}"]
+    out.append(f"train.global_batch={batch}")
+    if cfg.train.grad_accum is not None:  # derived at every size (strong scaling of dp divides it)
+        out.append("train.grad_accum=null")
+    return out
 
 
 def with_overrides(cfg: Config, dotlist: list[str]) -> Config:
@@ -73,11 +78,12 @@ def run_scale(
     """Measure the curve; [row per size]. The composed layout's tp, pp and global batch are its
     start; ranks fill nodes of the composed cluster's gpus_per_node."""
     sizes = [ranks[0] * 2**i for i in range((ranks[1] // ranks[0]).bit_length())]
+    planned = {size: point_overrides(cfg, dim, mode, ranks[0], size) for size in sizes}  # a ScaleError before any run
     describe_sweep(sweep_dir, scaling={"dimension": dim, "mode": mode, "threshold": threshold})
     opts.total_points, opts.started = len(sizes), time.time()
     rows = []
     for i, size in enumerate(sizes, start=1):
-        mine = point_overrides(cfg, dim, mode, ranks[0], size)
+        mine = planned[size]
         keys = {o.split("=", 1)[0] for o in mine}
         overrides = [o for o in user_overrides if o.split("=", 1)[0].lstrip("+~") not in keys] + mine
         row = run_point(with_overrides(cfg, mine), overrides, sweep_dir / point_dir(overrides), sweep_dir, opts)
@@ -87,8 +93,11 @@ def run_scale(
 
 
 def scaling_table(rows: list[dict], threshold: float) -> str:
+    """The curve, one line per size, and the verdict; a point that did not finish (its partial
+    figures are in its line) is on no doubling, as in `parakit report`."""
     lines = [f"{'ranks':>6}{'layout':>22}{'tokens/s':>12}{'predicted':>12}{'gain':>8}{'efficiency':>12}  status"]
-    gains = {d.to_ranks: d for d in doublings(rows, threshold)}
+    finished = [r for r in rows if r.get("status") == "ok"]
+    gains = {d.to_ranks: d for d in doublings(finished, threshold)}
     for r in sorted(rows, key=lambda r: r.get("world_size") or 0):
         shape = f"tp={r.get('tp')} pp={r.get('pp')} dp={r.get('dp')}"
         step = gains.get(r.get("world_size"))
@@ -100,8 +109,8 @@ def scaling_table(rows: list[dict], threshold: float) -> str:
             f"{r.get('world_size') or '-':>6}{shape:>22}{measured:>12}{predicted:>12}{gain:>8}{efficiency:>12}"
             f"  {r['status']}"
         )
-    line = verdict(rows, threshold)
-    stop = first_below(doublings(rows, threshold)) is not None
+    line = verdict(finished, threshold)
+    stop = first_below(doublings(finished, threshold)) is not None
     lines.append(f"\n{line}" + (": scale no further along this dimension" if stop else ""))
     return "\n".join(lines)
 
