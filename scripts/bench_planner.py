@@ -7,6 +7,9 @@ batch, precision, recompute), the planner predicts its step time, and the predic
 into the metric the source published (step time, tokens/s per GPU, or TFLOP/s per GPU counted
 with the source's own FLOP convention). Where the source leaves the micro batch or interleaving
 open, the planner's own best choice that fits in memory is used (listed under "chosen").
+A run's `overrides` are further stated settings as Hydra overrides (the software's defaults of
+the time, a cluster's stated network or memory); `schedule.vpp` prices an interleaving the
+source states but parakit's configuration cannot express.
 The goal is +-15% on every run; the summary says how many meet it.
 """
 
@@ -24,7 +27,7 @@ import yaml
 
 from toolkit.config.store import compose_config
 from toolkit.plan.flops import step_flops
-from toolkit.plan.layout import resolve
+from toolkit.plan.layout import bubble_fraction, resolve
 from toolkit.plan.memory import GIB, peak_memory
 from toolkit.plan.params import head_dim, model_params
 from toolkit.plan.perf import estimate_step
@@ -58,6 +61,7 @@ def compose_run(run: dict):
         f"zero={run['zero']}",
         "train.steps=1",
         "optim.warmup_steps=0",
+        *run.get("overrides", []),  # further stated settings, as Hydra overrides (zero.overlap_comm=false)
     ]
     cfg = compose_config(overrides)
     gpus_per_node = cfg.cluster.gpus_per_node
@@ -91,11 +95,23 @@ def _choices(cfg, run: dict):
             yield candidate, errors
 
 
+def _scheduled(layout, run: dict):
+    """The layout with the source's interleaving where parakit cannot configure it (`schedule.vpp`:
+    Llama 3's chunks of one layer beside an embedding-only first and a loss-only last chunk, which
+    megatron-core expresses with account_for_embedding/loss_in_pipeline_split): priced as is."""
+    vpp = run.get("schedule", {}).get("vpp")
+    if not vpp:
+        return layout
+    return dataclasses.replace(
+        layout, vpp=vpp, bubble_fraction=bubble_fraction(layout.pp, vpp, layout.num_microbatches)
+    )
+
+
 def predict(run: dict) -> dict:
     cfg = compose_run(run)
     best = None
     for candidate, errors in _choices(cfg, run):
-        layout = resolve(candidate)
+        layout = _scheduled(resolve(candidate), run)
         step = estimate_step(candidate, layout)
         memory = peak_memory(candidate, layout)
         fits = memory.total <= candidate.cluster.gpu_memory_gb * 1e9
@@ -120,7 +136,7 @@ def predict(run: dict) -> dict:
     chosen = []
     if "micro_batch" not in run["train"]:
         chosen.append(f"micro {layout.micro_batch}")
-    if "vpp" not in run["parallel"] and layout.pp > 1:
+    if "vpp" not in run["parallel"] and "schedule" not in run and layout.pp > 1:
         chosen.append(f"vpp {layout.vpp}")
     return {
         "id": run["id"],

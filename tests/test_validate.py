@@ -216,6 +216,7 @@ ERROR_CASES = [
     ("head_dim", ["model.hidden_size=66"], ["model.hidden_size=66", "model.head_dim=16"], "model.hidden_size"),
     ("kv_heads", ["model.num_kv_heads=3"], ["model.num_kv_heads=2"], "model.num_kv_heads"),
     ("range", ["parallel.tp=0"], ["parallel.tp=1"], "parallel.tp"),
+    ("range", ["cluster.sm_count=0"], ["cluster.sm_count=108"], "cluster.sm_count"),
     ("range", ["optim.lr=-1"], ["optim.lr=1e-3"], "optim.lr"),
     ("finite", ["optim.lr=nan"], ["optim.lr=1e-3"], "optim.lr"),
     ("finite", ["optim.lr=inf"], ["optim.lr=1e-3"], "optim.lr"),

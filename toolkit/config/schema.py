@@ -420,10 +420,14 @@ class ClusterConfig:
     fresh_memory_gbs: Optional[float] = None
     # Fraction of peak a large, well-shaped GEMM reaches (a measured matmul benchmark).
     gemm_efficiency: float = 0.8
-    # A GEMM dimension at which a tile-based kernel reaches half its large-shape efficiency: 128
-    # for GPU tensor-core tiles (128x128 CTA tiles of cuBLAS/CUTLASS); CPU kernels (smaller
-    # register blocks) lose far less on small shapes.
+    # A GEMM dimension at which a kernel reaches half its large-shape efficiency (the saturation
+    # curve `parakit probe` fits on CPU; on GPUs it shapes only flash attention's head dimension
+    # and block, their GEMMs follow tile and wave quantization instead, see sm_count).
     gemm_half_size: float = 128.0
+    # Streaming multiprocessors of one GPU (NVIDIA whitepapers: V100 80, A100 108, H100/H200 SXM
+    # 132): a GEMM's output tiles run in waves of this many (toolkit.plan.perf.wave_efficiency).
+    # null (CPU): GEMMs follow the gemm_half_size saturation curve.
+    sm_count: Optional[int] = None
     # Fixed time every optimizer step costs beside its modelled work (framework and Python
     # dispatch, kernel launches, synchronisation): 0 for a datasheet cluster, fitted by
     # `parakit calibrate` from a measured sweep.

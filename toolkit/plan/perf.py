@@ -1,8 +1,12 @@
 """Step time, throughput and MFU of a layout, from FLOPs, bandwidths and the schedule.
 
-Compute: each GEMM at the cluster's large-GEMM efficiency, reduced for small per-GPU shapes
-(`shape_efficiency`); flash attention at ATTENTION_EFFICIENCY of that; memory-bound element-wise
-work (norms, activations, residuals) as bytes over HBM bandwidth.
+Compute: each GEMM at the cluster's large-GEMM efficiency, reduced by its shapes: on GPUs by tile
+and wave quantization of its output over the SMs, plus the store of its output through HBM
+(`gemm_time`: forward and the two backward GEMMs each with their own shapes); on CPU by the
+saturation curve `parakit probe` fits (`shape_efficiency`). Flash attention at
+ATTENTION_EFFICIENCY of the GEMM rate; unfused GPU attention as batched GEMMs at their roofline
+plus softmax and dropout passes; memory-bound element-wise work (norms, activations, residuals)
+as bytes over HBM bandwidth.
 Tensor parallel: per layer and micro-batch, 2 all-reduces forward and 2 backward (or the same
 volume as all-gather + reduce-scatter with sequence parallel) of b*s*h values (Narayanan et al.
 2021, section 3.3; Korthikanti et al. 2022, section 4.2.2), not overlapped (no userbuffer overlap).
@@ -10,13 +14,15 @@ Pipeline: (m + (p-1)/v) micro-batch times per step (Narayanan et al. 2021, secti
 point-to-point sends of b*s*h activations per chunk boundary.
 Data parallel: ring reduce-scatter/all-gather, (d-1)/d of the bytes over the slowest link per
 GPU (Patarasuk & Yuan 2009); overlapped with the last micro-batch's backward where the backend
-overlaps (Megatron overlap_grad_reduce / DeepSpeed overlap_comm). ZeRO-3 gathers parameters for
+overlaps (Megatron overlap_grad_reduce / DeepSpeed overlap_comm; zero.overlap_comm=false turns
+it off). ZeRO-3 gathers parameters for
 every micro-batch's forward and backward (Rajbhandari et al. 2020, section 7.2.2), prefetched.
 """
 
 from __future__ import annotations
 
 import functools
+import math
 import os
 from dataclasses import dataclass
 
@@ -40,9 +46,10 @@ ATTENTION_EFFICIENCY = 0.75
 # bandwidth (Jangda et al. 2022, "Breaking the Computation and Communication Abstraction
 # Barrier in Distributed Machine Learning Workloads", section 2): charge 20% of the overlap.
 OVERLAP_INTERFERENCE = 0.2
-# FP8 tensor-core GEMMs reach a smaller fraction of their (2x) peak than BF16 ones (large
-# cuBLAS FP8 GEMMs on H100 run at ~1300-1400 of 1979 TFLOP/s, BF16 at ~750-800 of 989), and
-# every GEMM input is first scaled and cast: 85% of the BF16 fraction.
+# FP8 tensor-core GEMMs reach a smaller fraction of their (2x) peak than BF16 ones (H100 SXM
+# MAMF: fp8 1402.6 of 1979 TFLOP/s = 70.9%, bf16 794.5 of 989 = 80.3%, a ratio of 0.88;
+# stas00/ml-engineering compute/accelerator/README.md), and every GEMM input is first scaled and
+# cast: 85% of the BF16 fraction.
 FP8_GEMM_FRACTION = 0.85
 # ZeRO-3 prefetches parameters one or two layers ahead: gathers hide under at most half of the
 # compute (assumption), and share the link with the gradient reduce-scatters.
@@ -59,6 +66,72 @@ def shape_efficiency(half_size: float, *dims: float) -> float:
     for dim in dims:
         eff *= dim / (dim + half_size)
     return eff
+
+
+# GPU GEMMs: a kernel splits the m x n output into thread-block tiles, one per streaming
+# multiprocessor at a time; a partly filled last wave costs a whole one (tile and wave quantization:
+# NVIDIA, "Matrix Multiplication Background User's Guide", Dimension Quantization Effects;
+# stas00/ml-engineering training/performance/README.md "Tile and wave quantization": C =
+# ceil(m/Tm) * ceil(n/Tn) blocks take ceil(C/SMs) waves). The tiles cuBLAS picks from (the
+# guide's list, 256x128 and 128x256 the most efficient); the kernel with the least quantization is
+# taken, at the same per-tile rate (an optimistic bound for the smaller tiles).
+GEMM_TILES = ((128, 256), (256, 128), (128, 128), (64, 256), (256, 64), (128, 64), (64, 128))
+
+
+def wave_efficiency(m: float, n: float, sms: int) -> float:
+    """Useful share of the tiles a GPU GEMM with an m x n output runs: its area over the tiles of
+    the waves it needs, with the best of GEMM_TILES."""
+    best = 0.0
+    for tm, tn in GEMM_TILES:
+        waves = math.ceil(math.ceil(m / tm) * math.ceil(n / tn) / sms)
+        best = max(best, m * n / (waves * sms * tm * tn))
+    return best
+
+
+def gemm_time(c, m: float, n: float, k: float, flops_per_s: float, out_bytes: int) -> float:
+    """Seconds of one (m x k) @ (k x n) GEMM at `flops_per_s` (the device's large-GEMM rate).
+
+    GPUs (cluster.sm_count set): the tile/wave-quantized rate, plus the store of the m x n output
+    through HBM, which each tile does after its k-loop (a roofline term, Williams, Waterman &
+    Patterson 2009, "Roofline", that is not hidden: 2k FLOPs per output element against out_bytes,
+    so a reduction of k costs ridge/k more, ridge = flops_per_s / HBM bytes per second; about 130
+    FLOP/B on A100, 240 on H100). Else (CPU) the fitted saturation of `shape_efficiency`."""
+    if not c.sm_count:
+        return 2 * m * n * k / (flops_per_s * shape_efficiency(c.gemm_half_size, m, n, k))
+    compute = 2 * m * n * k / (flops_per_s * wave_efficiency(m, n, c.sm_count))
+    return compute + m * n * out_bytes / (c.hbm_bandwidth_gbs * 1e9)
+
+
+def linear_time(
+    c, tokens: float, n: float, k: float, flops_per_s: float, out_bytes: int, grad_bytes: int | None = None
+) -> tuple[float, float]:
+    """Forward and backward seconds of a linear layer Y = X W with X tokens x k and W k x n. On a
+    GPU the backward's two GEMMs have their own shapes: dX = dY W^T (tokens x n @ n x k, a
+    reduction of n) and dW = X^T dY (k x tokens @ tokens x n, a reduction over the tokens), whose
+    epilogue moves `grad_bytes` per weight (default out_bytes: a 16-bit gradient written; 8 where
+    each micro-batch accumulates into an fp32 gradient, read and written). On CPU the backward
+    costs twice the forward (as `parakit probe` fits it)."""
+    fwd = gemm_time(c, tokens, n, k, flops_per_s, out_bytes)
+    if not c.sm_count:
+        return fwd, 2 * fwd
+    dgrad = gemm_time(c, tokens, k, n, flops_per_s, out_bytes)
+    return fwd, dgrad + gemm_time(c, k, n, tokens, flops_per_s, grad_bytes or out_bytes)
+
+
+def _unfused_attention(scores: float, d: int, flops_per_s: float, hbm: float, nbytes: int, dropout: float):
+    """Forward and backward seconds of GPU attention as separate kernels (pre-FlashAttention
+    Megatron-LM: baddbmm, fused scale-mask-softmax, dropout, bmm) over the `scores` elements of
+    the s x s score matrices. QK^T and AV forward, dP, dV, dQ and dK backward are batched GEMMs
+    whose reduction is only the head dimension d: each runs at the roofline (Williams et al. 2009)
+    of its 2*d FLOPs and its pass over the scores (d FLOP/B in 16 bits, below the ~130-240 FLOP/B
+    ridge of A100/H100: memory-bound). Softmax and dropout are passes through HBM."""
+    gemm = max(2 * scores * d / flops_per_s, scores * nbytes / hbm)  # one batched GEMM
+    drop = dropout > 0
+    # forward: softmax reads S and writes P; dropout reads P, writes P' and a 1-byte mask
+    fwd = 2 * gemm + (2 * nbytes + drop * (2 * nbytes + 1)) * scores / hbm
+    # backward: dropout reads dP' and the mask and writes dP; softmax reads P and dP, writes dS
+    bwd = 4 * gemm + (3 * nbytes + drop * (2 * nbytes + 1)) * scores / hbm
+    return fwd, bwd
 
 
 def peak_flops(cfg: Config) -> float:
@@ -183,22 +256,34 @@ def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
 
     # --- one layer, one micro-batch, forward GEMMs on one TP rank
     gemms = [((q + 2 * kv) / tp, h), (h, q / tp), (ffn_in / tp, h), (h, m.ffn_hidden_size / tp)]  # (N, K)
-    gemm_fwd = sum(2 * tokens * n * k / (peak * shape_efficiency(c.gemm_half_size, tokens, n, k)) for n, k in gemms)
+    # Megatron keeps fp32 main_grad buffers and adds each micro-batch's weight gradient into them in
+    # the wgrad GEMM's epilogue (Megatron-LM gradient_accumulation_fusion, Transformer Engine
+    # fuse_wgrad_accumulation): every weight's fp32 gradient is read and written per micro-batch.
+    # (parakit's own megatron runs leave the fusion off, toolkit.emit.megatron: a separate add
+    # moves a little more.)
+    wgrad_bytes = 8 if backend.fp32_grads_from_stage == 0 else nbytes
+    times = [linear_time(c, tokens, n, k, peak, nbytes, wgrad_bytes) for n, k in gemms]
+    gemm_fwd = sum(f for f, _ in times)
+    gemm_bwd = sum(b for _, b in times)
     heads = m.num_attention_heads / tp
     if cfg.train.attention_backend == "flash":  # skips the masked half of the causal scores
         block = seq / (2 * cp) if cp > 1 else tokens  # context parallel attends in 2*cp chunks
         attention_peak = core_peak * ATTENTION_EFFICIENCY * shape_efficiency(c.gemm_half_size, block, d)
         core_fwd = 2 * 2 * tokens * seq * (q / tp) * 0.5 / attention_peak
+        core_bwd = 2 * core_fwd
+    elif c.sm_count:
+        core_fwd, core_bwd = _unfused_attention(heads * tokens * seq, d, core_peak, hbm, nbytes, m.attention_dropout)
     else:  # batched GEMMs per head over all s^2 scores, softmax through HBM (2 passes fwd, 3 bwd / 3)
         core_fwd = 2 * 2 * tokens * seq * (q / tp) / (core_peak * shape_efficiency(c.gemm_half_size, seq, seq, d))
         core_fwd += 5 / 3 * heads * tokens * seq * nbytes / hbm
+        core_bwd = 2 * core_fwd
     elementwise = backend.elementwise_traffic * _elementwise_bytes(m, tokens, tp, p.sequence_parallel, nbytes) / hbm
     tp_bw = c.intra_node_bandwidth_gbs if tp <= c.gpus_per_node else c.inter_node_bandwidth_gbs
     tp_collective = ring(tokens * h * nbytes, tp, tp_bw, 2.0)
     collectives = 4 + (2 if recompute == "full" else 0)
     stack = c.stack.get(backend.name)  # measured costs of the software stack (`parakit probe`)
     # A layer's compute (which shares a CPU node's cores) and its communication (which waits)
-    layer = 3 * (gemm_fwd + core_fwd) + elementwise + c.layer_overhead_s
+    layer = gemm_fwd + gemm_bwd + core_fwd + core_bwd + elementwise + c.layer_overhead_s
     layer += (stack.layer_s + (stack.tp_layer_s if tp > 1 else 0.0)) if stack else 0.0
     layer_comm = collectives * tp_collective
     if recompute == "full":
@@ -209,13 +294,13 @@ def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
         # under the attention of each step (Megatron context parallel, Liu et al. 2023 "Ring Attention")
         cp_bw = c.inter_node_bandwidth_gbs if _spans_nodes(cfg, cp, tp) else c.intra_node_bandwidth_gbs
         cp_ring = 3 * ring(cp * tokens * 2 * kv / tp * nbytes, cp, cp_bw, 1.0)
-        layer_comm += _overlapped(cp_ring, 3 * core_fwd)
+        layer_comm += _overlapped(cp_ring, core_fwd + core_bwd)
 
     # --- per micro-batch on the slowest stage (the last one adds the logits)
     vocab_shard = layout.padded_vocab_size / tp
     logit_bytes = tokens * vocab_shard * 4  # the loss is computed in fp32
     logits = (
-        3 * 2 * tokens * h * vocab_shard / (peak * shape_efficiency(c.gemm_half_size, tokens, vocab_shard, h))
+        sum(linear_time(c, tokens, vocab_shard, h, peak, nbytes, wgrad_bytes))
         + (stack.loss_s_per_logit * logit_bytes / 4 if stack else backend.loss_logit_passes * logit_bytes / hbm)
         + backend.loss_fresh_logits * _fresh_time(cfg, logit_bytes)
     )
@@ -246,7 +331,9 @@ def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
     dp_bw = c.inter_node_bandwidth_gbs if _spans_nodes(cfg, shard, tp) else c.intra_node_bandwidth_gbs
     # Both backends reduce in fp32 with grad_reduce_in_fp32 (DeepSpeed's communication_data_type).
     grad_bytes = params * (4 if cfg.precision.dtype == "fp32" or cfg.precision.grad_reduce_in_fp32 else nbytes)
-    overlap = 1.0 if c.device == "cuda" else 0.0
+    # zero.overlap_comm=false: reduced after the last backward (as Megatron-LM's local DDP did
+    # before overlap_grad_reduce: training.py train_step, allreduce_gradients after forward_backward).
+    overlap = 1.0 if c.device == "cuda" and cfg.zero.overlap_comm else 0.0
     backward_window = (2 / 3) * per_microbatch * 0.9 * overlap  # the last bucket is never overlapped
     forward_window = (1 / 3) * per_microbatch * overlap
     zero = backend.effective_zero(cfg.zero.stage)

@@ -131,6 +131,7 @@ _AT_LEAST_ONE = (
     "train.log_interval",
     "cluster.nodes",
     "cluster.gpus_per_node",
+    "cluster.sm_count",
     "checkpoint.interval_steps",
     "checkpoint.keep_last",
 )
