@@ -45,10 +45,10 @@ def _restart() -> int:
 
 def _write(path: Path, text: str) -> None:
     """Atomically: the agent reads the error file once the rank has ended, never half of it."""
+    from toolkit.emit.files import write_atomic
+
     path.parent.mkdir(parents=True, exist_ok=True)
-    partial = path.with_name(f".{path.name}.{os.getpid()}.partial")
-    partial.write_text(text)
-    os.replace(partial, path)
+    write_atomic(path, text)
 
 
 def _record(cause: str, callstack: str, traceback_file: str | None) -> None:
