@@ -14,7 +14,8 @@ os.environ.setdefault("PARAKIT_CACHE_DIR", str(Path(__file__).parents[1] / ".cac
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
 warnings.filterwarnings("ignore", message=".*absl.logging is not installed.*")
 
-from warm.server import WARM_ENV, ranks_dir  # noqa: E402
+from training_runs import processes_naming  # noqa: E402
+from warm.server import WARM_ENV  # noqa: E402
 
 from toolkit.config.store import compose_config  # noqa: E402
 
@@ -59,7 +60,7 @@ def warm_ranks(tmp_path_factory, machine_probed):
     client.write_text(f"#!{sys.executable} -IS\n" + (WARM / "client.py").read_text())
     client.chmod(0o755)
     socket_path = directory / "socket"
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}  # as torchrun_env sets it
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}  # no OpenMP pool in the server when it forks; a rank sets its own
     with open(directory / "server.log", "w") as log:
         server = subprocess.Popen([sys.executable, str(WARM / "server.py"), str(socket_path)], env=env,
                                   stdout=log, stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
@@ -72,26 +73,12 @@ def warm_ranks(tmp_path_factory, machine_probed):
     server.wait()
 
 
-def _processes_naming(text: str, warm_socket) -> list[str]:
-    """Processes whose command line names `text`, and warm ranks (tests/warm) running such a command."""
-    found = subprocess.run(["pgrep", "-f", text], capture_output=True, text=True).stdout.split()
-    directory = Path(ranks_dir(str(warm_socket))) if warm_socket else None
-    for record in directory.iterdir() if directory and directory.is_dir() else ():
-        try:
-            alive = Path("/proc", record.name).exists() and text in record.read_text()
-        except FileNotFoundError:  # it ended meanwhile
-            continue
-        if alive:
-            found.append(f"{record.name} (warm)")
-    return found
-
-
 @pytest.fixture
 def no_processes_left_behind(tmp_path, warm_ranks):
     """No process of this test's runs (their command lines name its directory) outlives the test."""
     yield
     deadline = time.monotonic() + 2  # a rank that is ending may take a moment to go
-    while left := _processes_naming(str(tmp_path), warm_ranks):
+    while left := processes_naming(str(tmp_path)):
         if time.monotonic() > deadline:
             break
         time.sleep(0.2)

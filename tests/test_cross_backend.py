@@ -8,11 +8,10 @@ weight decay on the norms (what megatron-core leaves out) is caught by the curve
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from training_runs import Tolerance, trained
+from training_runs import Tolerance, python, trained
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_processes_left_behind")]
 
@@ -48,7 +47,7 @@ def runs(tmp_path_factory):
     megatron = trained(tmp, "megatron", *BASE, f"train.save_init_checkpoint={init}")
     convert = subprocess.run(
         [
-            sys.executable,
+            python(),
             "-m",
             "toolkit.interop.megatron_to_hf",
             "--config",
@@ -65,7 +64,7 @@ def runs(tmp_path_factory):
     assert convert.returncode == 0, convert.stderr[-3000:]
     logits = subprocess.run(
         [
-            sys.executable,
+            python(),
             str(TESTS / "dist" / "cross_backend_logits.py"),
             "29543",
             str(megatron.run_dir),

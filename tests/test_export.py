@@ -229,9 +229,9 @@ def test_hf_to_megatron_to_hf_is_bit_for_bit(tmp_path, compose, model, dtype):
     """The import (`parakit convert hf-to-megatron`) then the export give back the very files'
     tensors: names, dtypes and bits (random weights; bf16 norms included)."""
     import subprocess
-    import sys
 
     from safetensors.torch import load_file
+    from training_runs import python
 
     cfg = compose(*model)
     hf, meg, back = tmp_path / "hf", tmp_path / "megatron", tmp_path / "back"
@@ -240,7 +240,7 @@ def test_hf_to_megatron_to_hf_is_bit_for_bit(tmp_path, compose, model, dtype):
         for param in original.parameters():
             param.normal_(0, 0.05)  # norms too: not all ones
     original.to(dtype).save_pretrained(hf)
-    convert = [sys.executable, "-m", "toolkit.cli", "convert", "hf-to-megatron", str(hf), "--output", str(meg)]
+    convert = [python(), "-m", "toolkit.cli", "convert", "hf-to-megatron", str(hf), "--output", str(meg)]
     result = subprocess.run(convert, capture_output=True, text=True, timeout=600, cwd=tmp_path)
     assert result.returncode == 0, result.stderr[-3000:]
     run = _run_dir(tmp_path, cfg)

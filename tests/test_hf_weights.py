@@ -11,11 +11,11 @@ import json
 import os
 import shutil
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from training_runs import processes_naming, python
 
 from toolkit.config.store import compose_config
 from toolkit.interop.hf_arch import HfConfigError, check_matches
@@ -221,7 +221,7 @@ def logits(tmp_path_factory):
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS.parent)}
     converted = str(tmp / "qwen2-megatron")
     convert = subprocess.run(
-        [sys.executable, "-m", "toolkit.cli", "convert", "hf-to-megatron", str(tmp / "qwen2"), "--output", converted],
+        [python(), "-m", "toolkit.cli", "convert", "hf-to-megatron", str(tmp / "qwen2"), "--output", converted],
         capture_output=True,
         text=True,
         timeout=300,
@@ -233,11 +233,11 @@ def logits(tmp_path_factory):
     (tmp / "cases.json").write_text(json.dumps(cases))
     out = tmp / "out"
     out.mkdir()
-    command = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
+    command = [python(), "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4"]
     command += [str(TESTS / "dist" / "hf_logits.py"), str(tmp / "cases.json"), str(tmp / "tokens.pt"), str(out)]
     run = subprocess.run(command, capture_output=True, text=True, timeout=900, env=env)
     time.sleep(1)
-    left = subprocess.run(["pgrep", "-f", str(tmp)], capture_output=True, text=True).stdout.split()
+    left = processes_naming(str(tmp))
     assert not left, f"processes left behind: {left}"
     assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
     got = {case["name"]: torch.load(out / f"{case['name']}.pt") for case in cases}

@@ -8,10 +8,10 @@ never reached the peak: 0, 0, 5e-4, 8.68e-4, ... against megatron-core's 0, 5e-4
 import itertools
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from training_runs import python
 
 from toolkit.config.store import compose_config
 from toolkit.plan.layout import resolve
@@ -54,7 +54,7 @@ def schedules():
     cases = [*CASES, ISSUE_EXAMPLE, RESCALED]
     script = Path(__file__).parent / "dist" / "lr_schedules.py"
     result = subprocess.run(
-        [sys.executable, str(script), "29541"], input=json.dumps(cases), capture_output=True, text=True, timeout=600
+        [python(), str(script), "29541"], input=json.dumps(cases), capture_output=True, text=True, timeout=600
     )
     assert result.returncode == 0, result.stderr[-3000:]
     out = json.loads(result.stdout.strip().splitlines()[-1])

@@ -6,11 +6,11 @@ ZeRO 0-3 (transformers model) and megatron-core DDP with and without the distrib
 import json
 import os
 import subprocess
-import sys
 import time
 from pathlib import Path
 
 import pytest
+from training_runs import processes_naming, python
 
 from toolkit.plan.layout import resolve
 from toolkit.plan.memory import stage_memory
@@ -49,7 +49,7 @@ def measure(script: str, cases: list[list[str]], tmp: Path) -> list[dict]:
     out = tmp / "bytes.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1", "DS_ACCELERATOR": "cpu"}
     cmd = [
-        sys.executable,
+        python(),
         "-m",
         "torch.distributed.run",
         "--standalone",
@@ -61,7 +61,7 @@ def measure(script: str, cases: list[list[str]], tmp: Path) -> list[dict]:
     ]
     result = subprocess.run(cmd, capture_output=True, text=True, timeout=1200, env=env)
     time.sleep(1)  # no rank outlives the launch (their command lines name `tmp`)
-    left = subprocess.run(["pgrep", "-f", str(tmp)], capture_output=True, text=True).stdout.split()
+    left = processes_naming(str(tmp))
     assert not left, f"processes left behind: {left}"
     assert out.exists(), result.stdout[-3000:] + result.stderr[-3000:]
     return json.loads(out.read_text())

@@ -6,17 +6,17 @@ tests/test_train_megatron.py's."""
 
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from training_runs import python
 
 
 @pytest.fixture(scope="module")
 def checked():
     script = Path(__file__).parent / "dist" / "sdpa_check.py"
     # port 0: the one process's store binds any free port
-    result = subprocess.run([sys.executable, str(script), "0"], capture_output=True, text=True, timeout=300)
+    result = subprocess.run([python(), str(script), "0"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr[-3000:]
     return json.loads(result.stdout.strip().splitlines()[-1])
 

@@ -13,7 +13,7 @@ import subprocess
 from pathlib import Path
 
 import pytest
-from training_runs import parakit
+from training_runs import parakit, processes_naming
 
 pytestmark = pytest.mark.slow
 
@@ -170,8 +170,7 @@ def test_out_of_memory_and_timed_out_points_are_recorded_as_such(faulted):
     assert by_fault["oom"]["final_loss"] > 0  # the step before it is measured
     stalled = by_fault["stall"]
     assert 3 <= stalled["seconds"] < 60, stalled  # stopped at its timeout, not at the stall's end (3600 s)
-    left = subprocess.run(["pgrep", "-f", stalled["run_dir"]], capture_output=True, text=True)
-    assert left.stdout == "", left.stdout  # its process group went with it
+    assert not processes_naming(stalled["run_dir"])  # its ranks went with it
     assert "out_of_memory" in oom.stdout and "timed_out" in hang.stdout
 
 

@@ -17,6 +17,7 @@ from functools import cached_property
 from pathlib import Path
 
 import torch
+from warm.server import WARM_ENV, ranks_dir
 
 from toolkit.config.store import compose_config
 from toolkit.plan.checkpoint import checkpoint_plan
@@ -37,10 +38,32 @@ DEEPSPEED_SHORT = [
 ]
 
 
+def python() -> str:
+    """The Python to start a module or script with: the suite's warm one (tests/warm) where it
+    runs, so the process does not import torch, megatron-core and DeepSpeed again, and the Python
+    processes it starts go warm too. Tests whose subject is a fresh interpreter use sys.executable."""
+    return os.environ.get("PYTHON_EXEC", sys.executable)
+
+
 def parakit(*args: str) -> list[str]:
-    """The command line of `parakit ARGS` in a subprocess: through the suite's warm Python
-    (tests/warm) where one runs, so a one-rank run trains without importing its libraries again."""
-    return [os.environ.get("PYTHON_EXEC", sys.executable), "-u", "-m", "toolkit.cli", *args]
+    """The command line of `parakit ARGS` in a subprocess, through python()."""
+    return [python(), "-u", "-m", "toolkit.cli", *args]
+
+
+def processes_naming(text: str) -> list[str]:
+    """Processes whose command line names `text`, and warm ranks (tests/warm) running such a
+    command (their command line is the server's: the server records theirs)."""
+    found = subprocess.run(["pgrep", "-f", text], capture_output=True, text=True).stdout.split()
+    socket = os.environ.get(WARM_ENV[1])
+    directory = Path(ranks_dir(socket)) if socket else None
+    for record in directory.iterdir() if directory and directory.is_dir() else ():
+        try:
+            alive = Path("/proc", record.name).exists() and text in record.read_text()
+        except FileNotFoundError:  # it ended meanwhile
+            continue
+        if alive:
+            found.append(f"{record.name} (warm)")
+    return found
 
 
 def run(tmp_path, name, *overrides, timeout=600, mutation=None, command="train"):

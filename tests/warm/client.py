@@ -22,7 +22,8 @@ def main() -> None:
         conn.connect(path)
     except OSError:  # not ready yet, or gone
         _cold()
-    request = {"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd()}
+    here = os.path.abspath(sys.argv[0])
+    request = {"argv": sys.argv[1:], "env": dict(os.environ), "cwd": os.getcwd(), "client": here}
     socket.send_fds(conn, [json.dumps(request).encode() + b"\n"], [0, 1, 2])
     replies = conn.makefile("rb")
     if replies.readline() != b"ok\n":

@@ -9,8 +9,12 @@ server forks a relay, which forks the rank (a copy of this process, in a process
 own, with the client's descriptors, environment and argv), passes on the signals the client gets
 (torchrun stops ranks with SIGTERM to their process group) and sends back how the rank ended; the
 client ends the same way. So torchrun still starts, watches, restarts and tears down the ranks; only
-their imports are shared. A request whose import-time environment differs from the server's (a
-mutation's PYTHONPATH, another thread count) is answered "cold": the client then execs Python.
+their imports are shared. A request whose import-time environment differs from the server's (another
+thread count, a PYTHONPATH that is not the server's with folders put in front) is answered "cold":
+the client then execs Python. Folders put in front of PYTHONPATH (a mutation's sitecustomize,
+tests/mutants) go in front of the rank's sys.path, and their sitecustomize runs before the rank's
+module, as Python's start-up would do. In a rank, sys.executable is the client, so the Python
+processes that parakit itself starts (torchrun, reproduce's runs) are forked warm too.
 
 The server imports no parakit module: parakit reads some settings from the environment at import.
 """
@@ -18,6 +22,7 @@ The server imports no parakit module: parakit reads some settings from the envir
 from __future__ import annotations
 
 import atexit
+import importlib
 import io
 import json
 import os
@@ -25,6 +30,7 @@ import runpy
 import select
 import signal
 import socket
+import subprocess
 import sys
 import threading
 import traceback
@@ -54,7 +60,6 @@ IMPORT_TIME_ENV = (
     "PYTHONPATH",
     "PYTHONHASHSEED",
     "PYTHONWARNINGS",
-    "OMP_NUM_THREADS",
     "MKL_NUM_THREADS",
     "DS_ACCELERATOR",
     "CUDA_VISIBLE_DEVICES",
@@ -72,13 +77,39 @@ def ranks_dir(path: str) -> str:
 
 
 _ranks_dir = ""
+# torch's intra-op threads where OMP_NUM_THREADS is not set (at::intraop_default_num_threads: the
+# physical cores), asked of a Python started without it; the server itself runs with 1 thread, so
+# that no OpenMP pool exists when it forks. A rank sets its own, as torch would have at import.
+_default_threads = 0
+
+
+def _added_path(env: dict) -> list[str] | None:
+    """The folders the request's PYTHONPATH puts in front of the server's, or None where it is
+    not the server's PYTHONPATH with folders in front."""
+    own, theirs = os.environ.get("PYTHONPATH", ""), env.get("PYTHONPATH", "")
+    if theirs == own:
+        return []
+    if not own:
+        return theirs.split(os.pathsep)
+    if theirs.endswith(os.pathsep + own):
+        return theirs[: -len(own) - 1].split(os.pathsep)
+    return None
+
+
+def _program(argv: list[str]) -> list[str] | None:
+    """`[-u] -m MODULE ARGS` or `[-u] SCRIPT.py ARGS` without the -u (a rank's streams are
+    unbuffered anyway); None for anything else (-c, other options), which runs cold."""
+    argv = argv[1:] if argv[:1] == ["-u"] else argv
+    runnable = argv[:1] == ["-m"] and len(argv) >= 2 or argv[:1] != [] and argv[0].endswith(".py")
+    return argv if runnable else None
 
 
 def _warm_request(request: dict) -> bool:
-    argv = request["argv"]
     env = request["env"]
-    runnable = len(argv) >= 2 and argv[0] == "-u" and (argv[1] == "-m" or argv[1].endswith(".py"))
-    return runnable and all(env.get(name) == os.environ.get(name) for name in IMPORT_TIME_ENV)
+    same = all(env.get(name) == os.environ.get(name) for name in IMPORT_TIME_ENV if name != "PYTHONPATH")
+    threads = env.get("OMP_NUM_THREADS", "1")  # else torch's parser decides (e.g. "4,2" for nesting)
+    runnable = _program(request["argv"]) is not None and _added_path(env) is not None
+    return same and runnable and threads.isdigit() and int(threads) > 0
 
 
 class Rank:
@@ -88,6 +119,7 @@ class Rank:
         self.request, self.fds = request, fds
 
     def run(self) -> int:
+        added = _added_path(self.request["env"])
         for fd, target in zip(self.fds, (0, 1, 2)):
             os.dup2(fd, target)
             os.close(fd)
@@ -103,10 +135,15 @@ class Rank:
             setattr(sys, f"__{name}__", stream)
         import torch
 
-        if threads := os.environ.get("OMP_NUM_THREADS"):
-            torch.set_num_threads(int(threads))
-        argv = self.request["argv"][1:]
+        threads = os.environ.get("OMP_NUM_THREADS")
+        torch.set_num_threads(int(threads) if threads else _default_threads)
+        sys.executable = self.request["client"]  # the rank's own Python children go warm too
+        argv = _program(self.request["argv"])
         try:
+            sys.path[1:1] = added  # where PYTHONPATH's folders go at start-up
+            if any(os.path.isfile(os.path.join(folder, "sitecustomize.py")) for folder in added):
+                sys.modules.pop("sitecustomize", None)
+                importlib.import_module("sitecustomize")  # as site does: the first one on the path
             if argv[0] == "-m":
                 sys.argv = argv[1:]
                 sys.path[0] = os.getcwd()
@@ -196,7 +233,12 @@ def _preload() -> None:
 
 def serve(path: str) -> Rank | None:
     """Accept requests until killed; returns only in a forked rank."""
+    global _default_threads
+    cold = {name: value for name, value in os.environ.items() if name != "OMP_NUM_THREADS"}
+    threads = subprocess.Popen([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], env=cold,
+                               stdout=subprocess.PIPE, text=True)  # fmt: skip
     _preload()
+    _default_threads = int(threads.communicate()[0])
     global _ranks_dir
     _ranks_dir = ranks_dir(path)
     os.makedirs(_ranks_dir, exist_ok=True)
