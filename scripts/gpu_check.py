@@ -92,8 +92,8 @@ WORKERS = {"environment": _environment, "fused_adam_build": _fused_adam_build}
 class Check:
     """Runs the steps, each a subprocess under its own timeout, and keeps the JSON up to date."""
 
-    def __init__(self, out: Path, device: str):
-        self.out, self.device = out, device
+    def __init__(self, out: Path, device: str, python: str):
+        self.out, self.device, self.python = out, device, python
         self.results: dict = {"device": device, "steps": {}}
         self.log = open(out / "gpu_check.log", "a")
 
@@ -135,11 +135,11 @@ class Check:
 
     def worker(self, name: str, timeout: float) -> dict:
         result = self.out / f".{name}.json"
-        self.command(name, [sys.executable, __file__, "--worker", name, "--result", str(result)], timeout)
+        self.command(name, [self.python, __file__, "--worker", name, "--result", str(result)], timeout)
         return json.loads(result.read_text())
 
     def train(self, name: str, run_dir: Path, overrides: list[str], timeout: float) -> dict:
-        argv = [sys.executable, "-m", "toolkit.cli", "train", *overrides, f"hydra.run.dir={run_dir}"]
+        argv = [self.python, "-m", "toolkit.cli", "train", *overrides, f"hydra.run.dir={run_dir}"]
         self.command(name, argv, timeout)
         return json.loads((run_dir / "result.json").read_text())
 
@@ -227,7 +227,7 @@ def bench_overhead(check: Check, timeout: float) -> dict:
         short = ["--gpu", "--steps", "6", "--warmup", "2"]
     else:  # the toy model of the CPU size
         short = ["--steps", "1", "--warmup", "1", "--", "model.num_layers=1", "model.seq_length=32"]
-    argv = [sys.executable, "scripts/bench_overhead.py", "--json", "--repeats", "1", "--backend", "megatron", *short]
+    argv = [check.python, "scripts/bench_overhead.py", "--json", "--repeats", "1", "--backend", "megatron", *short]
     check.command("bench_overhead", argv, timeout, stdout=result)
     return json.loads(result.read_text())["megatron"]
 
@@ -236,6 +236,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="the same steps at toy size on CPU (a dry run)")
     parser.add_argument("--out", type=Path, help="where gpu_check.json and gpu_check.log go (default $OUT)")
+    parser.add_argument("--python", default=sys.executable, help="the Python every step runs in (default: this one)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -252,7 +253,7 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     out = args.out or Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="parakit-gpu-check-"))
     out.mkdir(parents=True, exist_ok=True)
-    check = Check(out, "cpu" if args.cpu else "gpu")
+    check = Check(out, "cpu" if args.cpu else "gpu", args.python)
     size = CPU if args.cpu else GPU
     # Timeouts, seconds, 530 in all (a 1B model: ~20 s to import and build, ~20 s per 17 GB save or
     # load of megatron's distributed-optimizer checkpoint; DeepSpeed initialises it on the host first).

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from training_runs import python
 
 ROOT = Path(__file__).resolve().parent.parent
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_processes_left_behind")]
@@ -17,7 +18,7 @@ pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_processes_left_behin
 def checked(tmp_path_factory):
     out = tmp_path_factory.mktemp("gpu_check")
     result = subprocess.run(
-        ["bash", "scripts/gpu_check.sh", "--cpu", "--out", str(out)],
+        ["bash", "scripts/gpu_check.sh", "--cpu", "--out", str(out), "--python", python()],
         cwd=ROOT,
         capture_output=True,
         text=True,
