@@ -8,9 +8,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import subprocess
-import sys
 
 import pytest
+from training_runs import python
 
 from toolkit.config import machine
 from toolkit.emit.files import write_run_files
@@ -129,7 +129,7 @@ def test_held_out_check_catches_an_in_sample_error(calibration, monkeypatch):
 
 def test_the_cli_writes_a_cluster_option_the_planner_composes(sweep_dir, tmp_path):
     out = tmp_path / "conf"
-    command = [sys.executable, "-m", "toolkit.cli", "calibrate", str(sweep_dir), "-o", str(out), "--name", "mine"]
+    command = [python(), "-m", "toolkit.cli", "calibrate", str(sweep_dir), "-o", str(out), "--name", "mine"]
     done = subprocess.run(command, capture_output=True, text=True)
     assert done.returncode == 0, done.stderr
     assert "held-out points" in done.stdout and (out / "cluster" / "mine.yaml").exists()
@@ -141,7 +141,7 @@ def test_the_cli_writes_a_cluster_option_the_planner_composes(sweep_dir, tmp_pat
 
 
 def test_a_directory_without_enough_points_is_a_one_line_error(tmp_path, sweep_dir):
-    command = [sys.executable, "-m", "toolkit.cli", "calibrate", str(tmp_path)]
+    command = [python(), "-m", "toolkit.cli", "calibrate", str(tmp_path)]
     done = subprocess.run(command, capture_output=True, text=True)
     assert done.returncode == 1 and "no sweep.json" in done.stderr and "Traceback" not in done.stderr
     rows = json.loads((sweep_dir / "sweep.json").read_text())["points"][:2]

@@ -55,8 +55,15 @@ def test_torchrun_sees_a_rank_fail_and_stops_the_other(tmp_path, script, warm, n
     assert time.monotonic() - started < 60  # not the survivor's 120 s sleep
 
 
-def test_a_rank_with_another_import_environment_runs_cold(tmp_path, script, warm):
-    env = {**os.environ, "RANK": "1", "PYTHONHASHSEED": "7"}  # read at start-up
+@pytest.mark.parametrize("differs", ["hash seed", "shadowing folder"])
+def test_a_rank_with_another_import_environment_runs_cold(tmp_path, script, warm, differs):
+    env = {**os.environ, "RANK": "1"}
+    if differs == "hash seed":
+        env["PYTHONHASHSEED"] = "7"  # read at start-up
+    else:  # a folder whose psutil a cold start would import instead of the one the server has
+        (tmp_path / "shadow").mkdir()
+        (tmp_path / "shadow" / "psutil.py").write_text("")
+        env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(tmp_path / "shadow"), os.environ.get("PYTHONPATH")]))
     done = subprocess.run([os.environ["PYTHON_EXEC"], "-u", str(script), str(tmp_path)], env=env, timeout=60)
     assert done.returncode == 3 and (tmp_path / "warm-1").read_text() == "False"
 

@@ -89,11 +89,20 @@ def _added_path(env: dict) -> list[str] | None:
     own, theirs = os.environ.get("PYTHONPATH", ""), env.get("PYTHONPATH", "")
     if theirs == own:
         return []
-    if not own:
-        return theirs.split(os.pathsep)
-    if theirs.endswith(os.pathsep + own):
-        return theirs[: -len(own) - 1].split(os.pathsep)
-    return None
+    if own and not theirs.endswith(os.pathsep + own):
+        return None
+    added = (theirs[: -len(own) - 1] if own else theirs).split(os.pathsep)
+    return None if any(_shadows(folder) for folder in added) else added
+
+
+def _shadows(folder: str) -> bool:
+    """Whether `folder` holds a top-level module the server has imported already (a cold start
+    would import the folder's instead)."""
+    try:
+        names = os.listdir(folder or ".")
+    except OSError:
+        return False
+    return any(name.removesuffix(".py") in sys.modules for name in names if name != "sitecustomize.py")
 
 
 def _program(argv: list[str]) -> list[str] | None:
