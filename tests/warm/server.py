@@ -247,7 +247,7 @@ def serve(path: str) -> Rank | None:
     threads = subprocess.Popen([sys.executable, "-c", "import torch; print(torch.get_num_threads())"], env=cold,
                                stdout=subprocess.PIPE, text=True)  # fmt: skip
     _preload()
-    _default_threads = int(threads.communicate()[0])
+    _default_threads = int(threads.communicate()[0].split()[-1])
     global _ranks_dir
     _ranks_dir = ranks_dir(path)
     os.makedirs(_ranks_dir, exist_ok=True)
