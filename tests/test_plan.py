@@ -87,6 +87,35 @@ def test_first_stage_holds_the_most_inflight_microbatches(pp, vpp, m):
     assert all(inflight_chunks(pp, vpp, m, stage) <= chunks for stage in range(pp))
 
 
+@pytest.mark.parametrize("sequence_parallel", [False, True])
+def test_pipeline_sends_the_tensor_megatron_core_sends(compose, sequence_parallel):
+    """Each pipeline send carries megatron-core's own tensor shape (schedules.get_tensor_shapes:
+    seq/cp, and /tp under sequence parallel); counted 8x too large at tp=8, deep pipelines
+    looked slower than they are."""
+    from types import SimpleNamespace
+
+    from toolkit.plan.memory import DTYPE_BYTES
+    from toolkit.plan.perf import _p2p_time, estimate_step
+    from toolkit.train import mcore_cpu
+
+    mcore_cpu.import_shims()  # megatron-core without triton
+    from megatron.core.pipeline_parallel.schedules import get_tensor_shapes
+
+    cfg = compose(
+        "model=llama3_70b", "cluster=h100_cluster", "parallel.tp=8", "parallel.pp=4", "parallel.vpp=2",
+        "parallel.cp=2", f"parallel.sequence_parallel={sequence_parallel}", "train.global_batch=64",
+    )  # fmt: skip
+    layout = resolve(cfg)
+    group = lambda size: SimpleNamespace(size=lambda: size)  # noqa: E731
+    config = SimpleNamespace(variable_seq_lengths=False, sequence_parallel=sequence_parallel, hidden_size=8192)
+    sizes = dict(seq_length=layout.seq_length, micro_batch_size=layout.micro_batch, decoder_seq_length=None)
+    [shape] = get_tensor_shapes(**sizes, config=config, tp_group=group(8), cp_group=group(2))
+    sent = math.prod(shape) * DTYPE_BYTES[cfg.precision.dtype]
+    bandwidth = cfg.cluster.inter_node_bandwidth_gbs  # tp*cp*dp = 64 GPUs per stage: stages cross nodes
+    sends = layout.num_microbatches * layout.vpp * 2  # forward activations, backward gradients, per chunk
+    assert estimate_step(cfg, layout).pp_comm == pytest.approx(sends * _p2p_time(cfg, sent, bandwidth), rel=1e-12)
+
+
 def test_checkpoint_intervals():
     delta, mtbf = 60.0, 10 * 3600.0
     assert young_interval(delta, mtbf) == pytest.approx(math.sqrt(2 * delta * mtbf))
@@ -153,9 +182,11 @@ def test_405b_uses_llama3_tp8_inside_nodes_and_deep_pipeline(compose):
     )
     top = result.ranked[0]
     assert top.layout.tp in (4, 8) and top.layout.pp >= 16  # tensor parallel inside a node, a deep pipeline
-    # Llama 3's own tp=8 pp=16 (Grattafiori et al. 2024, Table 4) ties with the top (within the ranking's 1%)
+    # Llama 3's own tp=8 pp=16 (Grattafiori et al. 2024, Table 4) is predicted within 3% of the best
+    # (as NeMo's 70B layout above): with sequence parallel's seq/tp pipeline sends, pp=32 and pp=64
+    # with cp=4 edge ahead by 1-2.5%
     llama3 = next(c for c in result.ranked if (c.layout.tp, c.layout.pp) == (8, 16))
-    assert llama3.step.tokens_per_s > 0.99 * top.step.tokens_per_s
+    assert llama3.step.tokens_per_s >= 0.97 * top.step.tokens_per_s
 
 
 def test_175b_on_a100_uses_tp_and_pp(compose):

@@ -319,11 +319,14 @@ def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
     bubble = (pp - 1) / vpp * per_microbatch
     compute = num_mb * per_microbatch + bubble
 
-    # --- pipeline point-to-point: activations forward, gradients backward, per chunk boundary
+    # --- pipeline point-to-point: activations forward, gradients backward, per chunk boundary;
+    # under sequence parallel each GPU sends its seq/tp share (megatron-core
+    # pipeline_parallel/schedules.py, get_tensor_shapes)
     pp_comm = 0.0
     if pp > 1:
         pp_bw = c.inter_node_bandwidth_gbs if _spans_nodes(cfg, pp, tp * cp * dp) else c.intra_node_bandwidth_gbs
-        pp_comm = num_mb * vpp * 2 * _p2p_time(cfg, tokens * h * nbytes, pp_bw)
+        sent = tokens // (tp if p.sequence_parallel else 1) * h * nbytes
+        pp_comm = num_mb * vpp * 2 * _p2p_time(cfg, sent, pp_bw)
 
     # --- data-parallel gradient (and parameter) communication
     shard = dp * cp
