@@ -9,12 +9,14 @@ server forks a relay, which forks the rank (a copy of this process, in a process
 own, with the client's descriptors, environment and argv), passes on the signals the client gets
 (torchrun stops ranks with SIGTERM to their process group) and sends back how the rank ended; the
 client ends the same way. So torchrun still starts, watches, restarts and tears down the ranks; only
-their imports are shared. A request whose import-time environment differs from the server's (another
-thread count, a PYTHONPATH that is not the server's with folders put in front) is answered "cold":
-the client then execs Python. Folders put in front of PYTHONPATH (a mutation's sitecustomize,
-tests/mutants) go in front of the rank's sys.path, and their sitecustomize runs before the rank's
-module, as Python's start-up would do. In a rank, sys.executable is the client, so the Python
-processes that parakit itself starts (torchrun, reproduce's runs) are forked warm too.
+their imports are shared. A request whose import-time environment differs from the server's (a hash
+seed, MKL's thread count, a PYTHONPATH that is not the server's with folders put in front, or whose
+folders hold a module the server has imported) is answered "cold": the client then execs Python.
+Folders put in front of PYTHONPATH (a mutation's sitecustomize, tests/mutants) go in front of the
+rank's sys.path, and their sitecustomize runs before the rank's module, as Python's start-up would
+do; OMP_NUM_THREADS (or torch's default without it) is set in the rank. In a rank, sys.executable
+is the client, so the Python processes that parakit itself starts (torchrun, a sweep's points) are
+forked warm too.
 
 The server imports no parakit module: parakit reads some settings from the environment at import.
 """
@@ -109,7 +111,7 @@ def _program(argv: list[str]) -> list[str] | None:
     """`[-u] -m MODULE ARGS` or `[-u] SCRIPT.py ARGS` without the -u (a rank's streams are
     unbuffered anyway); None for anything else (-c, other options), which runs cold."""
     argv = argv[1:] if argv[:1] == ["-u"] else argv
-    runnable = argv[:1] == ["-m"] and len(argv) >= 2 or argv[:1] != [] and argv[0].endswith(".py")
+    runnable = (argv[:1] == ["-m"] and len(argv) >= 2) or (argv[:1] != [] and argv[0].endswith(".py"))
     return argv if runnable else None
 
 
