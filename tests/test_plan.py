@@ -283,8 +283,7 @@ def check_predicted_batches(cfg, low: int, high: int) -> None:
     per_gpu = Fraction(cfg.train.global_batch, c.nodes * c.gpus_per_node)
     for mode in ("weak", "strong"):
         rows = predicted_curve(cfg, low, high, mode)
-        gpus = [low * 2**i for i in range((high // low).bit_length())]
-        assert [r["world_size"] for r in rows] == gpus, rows
+        assert [r["world_size"] for r in rows] == [low * 2**i for i in range((high // low).bit_length())], rows
         for r in rows:
             sized = resized(cfg, r["world_size"], mode)
             assert sized.cluster.nodes * sized.cluster.gpus_per_node == r["world_size"], sized.cluster
@@ -312,6 +311,20 @@ def test_the_predicted_batch_check_catches_strong_scaling_that_grows_the_batch(t
     monkeypatch.setattr(toolkit.plan.scaling, "resized", lambda cfg, gpus, mode: real(cfg, gpus, "weak"))
     with pytest.raises(AssertionError, match="strong"):
         check_predicted_batches(tiny_on_cpu, 1, 16)
+
+
+def test_plan_scaling_refuses_sizes_that_do_not_fill_whole_nodes(compose, monkeypatch, capsys):
+    """6 GPUs per node: 8 would be planned as one node of 6 and shown as the 8-GPU point."""
+    import toolkit.plan.scaling as scaling
+    from toolkit.cli import main
+
+    cfg = compose("data=synthetic", "cluster.gpus_per_node=6", "train.global_batch=16", "train.micro_batch=1")
+    assert scaling.predicted_curve(cfg, 1, 4, "weak")[-1]["world_size"] == 4
+    monkeypatch.setattr(scaling, "search", lambda *a: pytest.fail("a size was planned"))
+    with pytest.raises(ValueError, match="8 ranks do not fill whole nodes of cluster.gpus_per_node=6. Fix: end"):
+        scaling.predicted_curve(cfg, 1, 8, "weak")
+    assert main(["plan", "--scaling", "1..8", "data=synthetic", "cluster.gpus_per_node=6"]) == 2
+    assert "do not fill whole nodes" in capsys.readouterr().err
 
 
 def test_scale_and_plan_scaling_refuse_a_range_that_is_not_powers_of_two():

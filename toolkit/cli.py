@@ -325,15 +325,16 @@ def _plan(cfg, opts) -> int:
 
     if opts.scaling:
         from toolkit.plan.scaling import curve_table, predicted_curve
-        from toolkit.report.scale import ScaleError, parse_range
+        from toolkit.report.scale import parse_range
 
         try:
             low, high = parse_range(opts.scaling)
-        except ScaleError as e:
+            curve = predicted_curve(cfg, low, high, opts.scaling_mode)
+        except ValueError as e:  # ScaleError too
             print(f"parakit plan --scaling: {e}", file=sys.stderr)
             return 2
         print(f"{opts.scaling_mode} scaling of {cfg.model.name} on {cfg.cluster.name}, the best layout at each size:")
-        print(curve_table(predicted_curve(cfg, low, high, opts.scaling_mode), opts.threshold))
+        print(curve_table(curve, opts.threshold))
         return 0
     if not opts.measure:
         return plan_command(cfg, top=opts.top, as_json=opts.json)

@@ -16,9 +16,26 @@ from toolkit.plan.search import search
 from toolkit.report.scaling import doublings, verdict
 
 
+def node_shape(gpus: int, gpus_per_node: int) -> tuple[int, int]:
+    """(nodes, GPUs per node) of `gpus` GPUs: part of one node, else whole nodes. A size that does not
+    fill whole nodes is a ValueError: rounded, it would be another size under this one's name."""
+    if gpus > gpus_per_node and gpus % gpus_per_node:
+        largest = 1 << (gpus_per_node.bit_length() - 1)
+        raise ValueError(
+            f"{gpus} ranks do not fill whole nodes of cluster.gpus_per_node={gpus_per_node}. Fix: end the range "
+            f"at {largest}, or use a cluster whose gpus_per_node is a power of two"
+        )
+    return max(1, gpus // gpus_per_node), min(gpus, gpus_per_node)
+
+
+def sizes(low: int, high: int) -> list[int]:
+    """The powers of two from low to high."""
+    return [low << i for i in range((high // low).bit_length())]
+
+
 def resized(cfg: Config, gpus: int, mode: str) -> Config:
-    node = cfg.cluster.gpus_per_node
-    cluster = dataclasses.replace(cfg.cluster, nodes=max(1, gpus // node), gpus_per_node=min(gpus, node))
+    nodes, per_node = node_shape(gpus, cfg.cluster.gpus_per_node)
+    cluster = dataclasses.replace(cfg.cluster, nodes=nodes, gpus_per_node=per_node)
     batch = cfg.train.global_batch
     if mode == "weak":
         batch = max(1, batch * gpus // world_size(cfg))
@@ -27,10 +44,12 @@ def resized(cfg: Config, gpus: int, mode: str) -> Config:
 
 
 def predicted_curve(cfg: Config, low: int, high: int, mode: str) -> list[dict]:
-    """One row per size: the best layout's shape and figures (no row figures where none fits)."""
+    """One row per size: the best layout's shape and figures (no row figures where none fits). A
+    size that does not fill whole nodes is a ValueError before any is planned."""
     rows = []
-    gpus = low
-    while gpus <= high:
+    for gpus in sizes(low, high):
+        node_shape(gpus, cfg.cluster.gpus_per_node)
+    for gpus in sizes(low, high):
         sized = resized(cfg, gpus, mode)
         best = next(iter(search(sized).ranked), None)
         row = {"world_size": gpus, "global_batch": sized.train.global_batch}
@@ -43,7 +62,6 @@ def predicted_curve(cfg: Config, low: int, high: int, mode: str) -> list[dict]:
                 "mfu": best.step.mfu,
             }
         rows.append(row)
-        gpus *= 2
     return rows
 
 

@@ -14,6 +14,7 @@ import time
 from pathlib import Path
 
 from toolkit.config.schema import Config
+from toolkit.plan.scaling import node_shape
 from toolkit.report.scaling import doublings, first_below, verdict
 from toolkit.report.sweep import SweepOptions, describe_sweep, point_dir, progress_line, read_rows, run_point
 
@@ -42,9 +43,11 @@ def point_overrides(cfg: Config, dim: str, mode: str, start: int, ranks: int) ->
     split = p.tp * p.pp * p.cp
     if start % split:
         raise ScaleError(f"--ranks starts at {start}, fewer than tp*pp*cp = {split} of the composed layout")
-    if ranks > node and ranks % node:
-        raise ScaleError(f"{ranks} ranks do not fill whole nodes of cluster.gpus_per_node={node}: use a power of two")
-    out = [f"cluster.nodes={max(1, ranks // node)}", f"cluster.gpus_per_node={min(ranks, node)}"]
+    try:
+        nodes, per_node = node_shape(ranks, node)
+    except ValueError as e:
+        raise ScaleError(str(e)) from None
+    out = [f"cluster.nodes={nodes}", f"cluster.gpus_per_node={per_node}"]
     if dim in ("tp", "pp"):
         out += [f"parallel.{dim}={getattr(p, dim) * factor}", f"parallel.dp={start // split}"]
     else:
