@@ -122,6 +122,12 @@ ERROR_CASES = [
     ("range", ["checkpoint.interval_minutes=0"], ["checkpoint.interval_minutes=30"], "checkpoint.interval_minutes"),
     ("async_save_backend", [DS, "checkpoint.async_save=true"], ["checkpoint.async_save=true"], "checkpoint.async_save"),
     ("recompute_backend", [DS, "recompute=selective"], [DS, "recompute=full"], "recompute.granularity"),
+    (
+        "init_weights_backend",
+        [DS, "train.save_init_checkpoint=/tmp/init"],
+        ["train.save_init_checkpoint=/tmp/init"],
+        "train.save_init_checkpoint",
+    ),
     ("zero_megatron", ["zero=2"], ["zero=2", DS], "zero.stage"),
     ("offload_backend", ["zero=2_offload"], ["zero=2_offload", DS], "zero.offload_optimizer"),
     (

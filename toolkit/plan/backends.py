@@ -107,6 +107,8 @@ class Backend:
     # directory (model.hf_path), in the order it looks for them; empty: none.
     hf_weights: tuple[str, ...]
     megatron_lm_entry: bool  # launch.sh can run Megatron-LM's pretrain_gpt.py instead of parakit's trainer
+    # train.init_checkpoint / train.save_init_checkpoint: initial weights as a megatron-core dist checkpoint
+    dist_init_weights: bool
     # Packages that options need where the run trains (checked there before any rank starts).
     packages: tuple[Package, ...] = ()
 
@@ -161,6 +163,7 @@ MEGATRON = Backend(
     async_save=True,
     hf_weights=("safetensors",),  # read into each rank's chunks at any layout (toolkit.interop.hf_weights)
     megatron_lm_entry=True,
+    dist_init_weights=True,  # megatron_backend's setup loads or saves them
     # Context parallel, sequence parallel and sliding windows run without TE (toolkit.train's local spec).
     packages=(TRANSFORMER_ENGINE_FP8,),
 )
@@ -205,6 +208,7 @@ DEEPSPEED = Backend(
     # transformers' from_pretrained (modeling_utils._get_resolved_checkpoint_files): safetensors first
     hf_weights=("safetensors", "pytorch_bin"),
     megatron_lm_entry=False,
+    dist_init_weights=False,  # its models start from model.hf_path or a seeded init
 )
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in (MEGATRON, DEEPSPEED)}

@@ -649,6 +649,16 @@ def _backend(cfg: Config) -> Iterator[Violation]:
             f"use {_others(lambda o: o.hf_weights)}, or convert them (parakit convert hf-to-megatron) and set "
             "train.init_checkpoint",
         )
+    init_weights = {f"train.{k}": getattr(cfg.train, k) for k in ("init_checkpoint", "save_init_checkpoint")}
+    if any(init_weights.values()) and not be.dist_init_weights:
+        yield _err(
+            "init_weights_backend",
+            {**{k: v for k, v in init_weights.items() if v}, "backend.name": b},
+            f"the {b} backend would ignore it: initial weights as a megatron-core dist checkpoint are loaded and "
+            f"saved by the {' and '.join(supporting(lambda o: o.dist_init_weights))} backend",
+            f"use {_others(lambda o: o.dist_init_weights)}, or start {b} from Hugging Face weights (model.hf_path; "
+            "python -m toolkit.interop.megatron_to_hf converts such a checkpoint)",
+        )
     if z.stage not in be.zero_stages:
         yield _err(
             f"zero_{b}",
