@@ -9,7 +9,8 @@ plus softmax and dropout passes; memory-bound element-wise work (norms, activati
 as bytes over HBM bandwidth.
 Tensor parallel: per layer and micro-batch, 2 all-reduces forward and 2 backward (or the same
 volume as all-gather + reduce-scatter with sequence parallel) of b*s*h values (Narayanan et al.
-2021, section 3.3; Korthikanti et al. 2022, section 4.2.2), not overlapped (no userbuffer overlap).
+2021, section 3.3; Korthikanti et al. 2022, section 4.2.2), not overlapped (no userbuffer overlap);
+on CPU (gloo) a collective is work of the node's cores, shared with the compute as that is.
 Pipeline: (m + (p-1)/v) micro-batch times per step (Narayanan et al. 2021, section 2.2.2) plus
 point-to-point sends of b*s*h activations per chunk boundary.
 Data parallel: ring reduce-scatter/all-gather, (d-1)/d of the bytes over the slowest link per
@@ -221,10 +222,10 @@ def _spans_nodes(cfg: Config, group_size: int, stride: int) -> bool:
 
 def _core_sharing(cfg: Config, layout: Layout, stage_times: list[float], step_s: float) -> float:
     """How much slower compute runs on an oversubscribed CPU node (>= 1; 1 on GPUs): the step
-    cannot end before the node's cores have done every rank's work. A rank waiting for its
-    pipeline peers or a collective leaves its core to the others, so the slowdown is the node's
-    CPU work over its cores, against the step's unshared critical path (the slowest stage's
-    micro-batches, the bubble and the per-step work)."""
+    cannot end before the node's cores have done every rank's work (its gloo collectives
+    included). A rank waiting for its pipeline peers leaves its core to the others, so the slowdown
+    is the node's CPU work over its cores, against the step's unshared critical path (the slowest
+    stage's micro-batches, the bubble and the per-step work)."""
     c = cfg.cluster
     if c.device != "cpu":
         return 1.0
@@ -308,9 +309,13 @@ def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
     work = [n * layer for n in layout.stage_layers]
     work[-1] += logits
     step_s = stack.step_s if stack else 0.0
+    comm = [n * layer_comm for n in layout.stage_layers]
+    comm[-1] += logits_comm
+    if c.device == "cpu":  # gloo's collectives are the cores' own work: copies through loopback
+        # sockets by the ranks' threads (gloo/transport/tcp), not a network card's
+        work, comm = [t + m for t, m in zip(work, comm)], [0.0] * pp
     sharing = _core_sharing(cfg, layout, work, step_s)
-    stage_times = [t * sharing + n * layer_comm for t, n in zip(work, layout.stage_layers)]
-    stage_times[-1] += logits_comm
+    stage_times = [t * sharing + m for t, m in zip(work, comm)]
     slowest = max(range(pp), key=stage_times.__getitem__)
     per_microbatch = stage_times[slowest]
     tp_per_microbatch = layout.stage_layers[slowest] * collectives * tp_collective
