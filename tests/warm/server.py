@@ -116,10 +116,12 @@ def _program(argv: list[str]) -> list[str] | None:
 
 
 def _warm_request(request: dict) -> bool:
+    """Whether the request can run warm; if so, the folders it adds to the path go in request["added"]."""
     env = request["env"]
     same = all(env.get(name) == os.environ.get(name) for name in IMPORT_TIME_ENV if name != "PYTHONPATH")
     threads = env.get("OMP_NUM_THREADS", "1")  # else torch's parser decides (e.g. "4,2" for nesting)
-    runnable = _program(request["argv"]) is not None and _added_path(env) is not None
+    request["added"] = _added_path(env)
+    runnable = _program(request["argv"]) is not None and request["added"] is not None
     return same and runnable and threads.isdigit() and int(threads) > 0
 
 
@@ -130,7 +132,6 @@ class Rank:
         self.request, self.fds = request, fds
 
     def run(self) -> int:
-        added = _added_path(self.request["env"])
         for fd, target in zip(self.fds, (0, 1, 2)):
             os.dup2(fd, target)
             os.close(fd)
@@ -151,6 +152,7 @@ class Rank:
         sys.executable = self.request["client"]  # the rank's own Python children go warm too
         argv = _program(self.request["argv"])
         try:
+            added = self.request["added"]
             sys.path[1:1] = added  # where PYTHONPATH's folders go at start-up
             if any(os.path.isfile(os.path.join(folder, "sitecustomize.py")) for folder in added):
                 sys.modules.pop("sitecustomize", None)
