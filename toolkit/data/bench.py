@@ -4,7 +4,8 @@ Measures the micro-batches per second one rank's loader makes here (the run's da
 order, micro-batch size and data.num_workers) and compares them with what one data-parallel rank
 consumes: global_batch / dp samples per planner step time (toolkit.plan.perf). A loader slower
 than that starves the GPUs: utilisation swings, throughput stays flat however the layout
-changes, and the network gets the blame (shared/SEED-DIGEST.md, the input-pipeline warning).
+changes, and the network gets the blame (the input-bound case of Mohan et al. 2021, "Analyzing
+and Mitigating Data Stalls in DNN Training", VLDB 2021).
 """
 
 from __future__ import annotations

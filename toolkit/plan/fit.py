@@ -1,9 +1,11 @@
 """Will it fit: the predicted peak memory of a layout against the device, and the smallest single
 change that brings it under (the validator's `memory` rule); else the first pair of changes that does.
 
-Changes are tried in the seed's order of preference (shared/SEED-DIGEST.md section 5): shard the
-model states first (a higher ZeRO stage), then recompute activations, then a smaller micro
-batch, and split the model (tensor, then pipeline parallel) last. Each must pass the validator's
+Changes are tried in the order that changes training least: shard the model states first (a
+higher ZeRO stage: the same arithmetic, Rajbhandari et al. 2020, "ZeRO", section 5), then recompute
+activations (the same values again, Korthikanti et al. 2022, section 5), then a smaller micro
+batch, and split the model (tensor, then pipeline parallel) last: each split adds communication
+in every layer or a pipeline bubble (Narayanan et al. 2021, sections 2-3). Each must pass the validator's
 other rules; the first that fits is the fix.
 """
 

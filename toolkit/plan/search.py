@@ -4,9 +4,9 @@ Enumerates tp (powers of two inside a node), pp (even or uneven stage splits), v
 micro batch, ZeRO stage / distributed optimizer, recompute and sequence parallel for the
 configured model, cluster, global batch, precision and backend. Cheap divisibility checks prune
 first; every layout that is ranked has passed the same validator as `parakit validate`.
-When predicted throughputs tie (within 1%), the simpler layout wins, in the seed's order of
-preference (shared/SEED-DIGEST.md section 5): shard state first, then recompute, and split the
-model (tp, pp, cp) last.
+When predicted throughputs tie (within 1%), the simpler layout wins, in the order that changes
+training least (toolkit.plan.fit): shard state first, then recompute, and split the model (tp,
+pp, cp) last.
 """
 
 from __future__ import annotations

@@ -7,7 +7,8 @@ their values, the rule, and a concrete fix. Errors are what DeepSpeed or Megatro
 
 Sources for the rules: Megatron-LM `megatron/training/arguments.py::validate_args`, megatron-core
 `TransformerConfig.__post_init__` and schedules, DeepSpeed `runtime/config.py` and
-`runtime/pipe/engine.py`, and the practitioner's checklist in shared/SEED-DIGEST.md section 6.
+`runtime/pipe/engine.py`; the batch, learning-rate and warmup checks after the global batch
+changes follow Goyal et al. 2017, "Accurate, Large Minibatch SGD", sections 2.1-2.2.
 """
 
 from __future__ import annotations
