@@ -5,8 +5,8 @@ Changes are tried in the order that changes training least: shard the model stat
 higher ZeRO stage: the same arithmetic, Rajbhandari et al. 2020, "ZeRO", section 5), then recompute
 activations (the same values again, Korthikanti et al. 2022, section 5), then a smaller micro
 batch, and split the model (tensor, then pipeline parallel) last: each split adds communication
-in every layer or a pipeline bubble (Narayanan et al. 2021, sections 2-3). Each must pass the validator's
-other rules; the first that fits is the fix.
+in every layer or a pipeline bubble (Narayanan et al. 2021, sections 2-3). Each must pass the
+validator's other rules; the first that fits is the fix.
 """
 
 from __future__ import annotations

@@ -47,10 +47,8 @@ def predicted_curve(cfg: Config, low: int, high: int, mode: str) -> list[dict]:
     """One row per size: the best layout's shape and figures (no row figures where none fits). A
     size that does not fill whole nodes is a ValueError before any is planned."""
     rows = []
-    for gpus in sizes(low, high):
-        node_shape(gpus, cfg.cluster.gpus_per_node)
-    for gpus in sizes(low, high):
-        sized = resized(cfg, gpus, mode)
+    resized_all = {gpus: resized(cfg, gpus, mode) for gpus in sizes(low, high)}  # a ValueError before any search
+    for gpus, sized in resized_all.items():
         best = next(iter(search(sized).ranked), None)
         row = {"world_size": gpus, "global_batch": sized.train.global_batch}
         if best:

@@ -14,7 +14,7 @@ import time
 from pathlib import Path
 
 from toolkit.config.schema import Config
-from toolkit.plan.scaling import node_shape
+from toolkit.plan.scaling import node_shape, sizes
 from toolkit.report.scaling import doublings, first_below, verdict
 from toolkit.report.sweep import SweepOptions, describe_sweep, point_dir, progress_line, read_rows, run_point
 
@@ -80,12 +80,12 @@ def run_scale(
 ) -> list[dict]:
     """Measure the curve; [row per size]. The composed layout's tp, pp and global batch are its
     start; ranks fill nodes of the composed cluster's gpus_per_node."""
-    sizes = [ranks[0] * 2**i for i in range((ranks[1] // ranks[0]).bit_length())]
-    planned = {size: point_overrides(cfg, dim, mode, ranks[0], size) for size in sizes}  # a ScaleError before any run
+    # every size's overrides first: a ScaleError before any run
+    planned = {size: point_overrides(cfg, dim, mode, ranks[0], size) for size in sizes(*ranks)}
     describe_sweep(sweep_dir, scaling={"dimension": dim, "mode": mode, "threshold": threshold})
-    opts.total_points, opts.started = len(sizes), time.time()
+    opts.total_points, opts.started = len(planned), time.time()
     rows = []
-    for i, size in enumerate(sizes, start=1):
+    for i, size in enumerate(planned, start=1):
         mine = planned[size]
         keys = {o.split("=", 1)[0] for o in mine}
         overrides = [o for o in user_overrides if o.split("=", 1)[0].lstrip("+~") not in keys] + mine
