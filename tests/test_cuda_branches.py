@@ -124,3 +124,97 @@ def test_deepspeed_on_gpus_steps_torchs_fused_adamw_with_no_build(compose):
     assert deepspeed_config(offloaded, resolve(offloaded))["optimizer"]["params"]["torch_adam"] is False
     cpu = compose("model=tiny", "backend=deepspeed")
     assert "fused" not in deepspeed_config(cpu, resolve(cpu))["optimizer"]["params"]
+
+
+def _fake_transformer_engine(monkeypatch, calls: list, quantization_modes: bool):
+    """transformer_engine.pytorch.module.base with initialize_ub / destroy_ub recording their calls,
+    in TE's signature since 2.7 (quantization_modes) or before it (use_fp8)."""
+    import enum
+    import sys
+    import types
+
+    base = types.ModuleType("transformer_engine.pytorch.module.base")
+    if quantization_modes:
+        base.UserBufferQuantizationMode = enum.Enum("UserBufferQuantizationMode", "NONE FP8")
+
+        def initialize_ub(shape, tp_size, quantization_modes=None, ub_cfgs=None, bootstrap_backend=None):
+            calls.append(dict(shape=shape, tp_size=tp_size, modes=quantization_modes, bootstrap=bootstrap_backend))
+
+    else:
+
+        def initialize_ub(shape, tp_size, use_fp8=False, ub_cfgs=None, bootstrap_backend=None):
+            calls.append(dict(shape=shape, tp_size=tp_size, use_fp8=use_fp8, bootstrap=bootstrap_backend))
+
+    base.initialize_ub, base.destroy_ub = initialize_ub, lambda: calls.append("destroyed")
+    module = types.ModuleType("transformer_engine.pytorch.module")
+    module.base = base
+    pytorch = types.ModuleType("transformer_engine.pytorch")
+    pytorch.module = module
+    te = types.ModuleType("transformer_engine")
+    te.pytorch = pytorch
+    for name, value in (("", te), (".pytorch", pytorch), (".pytorch.module", module), (".pytorch.module.base", base)):
+        monkeypatch.setitem(sys.modules, "transformer_engine" + name, value)
+    return base
+
+
+OVERLAP = ["cluster=8xh100", "model=llama3_8b", "parallel.tp=4", "parallel.cp=2", "parallel.sequence_parallel=true"]
+
+
+@pytest.mark.parametrize("quantization_modes", [True, False], ids=["te>=2.7", "te<2.7"])
+@pytest.mark.parametrize("dtype", ["bf16", "fp8"])
+def test_tp_comm_overlap_sets_up_te_userbuffers_for_one_micro_batch_of_this_cp_rank(
+    compose, monkeypatch, quantization_modes, dtype
+):
+    """As Megatron-LM's _initialize_tp_communicators: a (seq x micro batch / cp, hidden) buffer over
+    the tensor-parallel ranks, NCCL bootstrap, fp8 buffers for fp8 runs, in either TE signature."""
+    from toolkit.emit.megatron import megatron_sections
+    from toolkit.plan.layout import resolve
+    from toolkit.train.megatron_configs import build_megatron_configs
+    from toolkit.train.megatron_model import destroy_tp_comm_overlap, initialize_tp_comm_overlap
+
+    cfg = compose(*OVERLAP, "parallel.tp_comm_overlap=true", f"precision={dtype}", "train.micro_batch=2")
+    layout = resolve(cfg)
+    config, _, _ = build_megatron_configs(megatron_sections(cfg, layout))
+    calls = []
+    base = _fake_transformer_engine(monkeypatch, calls, quantization_modes)  # after megatron-core looked for TE
+    initialize_tp_comm_overlap(config, layout.seq_length, layout.micro_batch)
+    destroy_tp_comm_overlap()
+    expected = dict(shape=[8192 * 2 // 2, 4096], tp_size=4, bootstrap="nccl")
+    if quantization_modes:
+        modes = base.UserBufferQuantizationMode
+        expected["modes"] = [modes.FP8 if dtype == "fp8" else modes.NONE]
+    else:
+        expected["use_fp8"] = dtype == "fp8"
+    assert calls == [expected, "destroyed"]
+
+
+@pytest.mark.parametrize("overlap", [True, False])
+def test_the_megatron_trainer_sets_up_the_userbuffers_before_it_builds_the_model(compose, monkeypatch, overlap):
+    """TE's layers look their userbuffers up when they run: MegatronSteps makes them first, and only
+    for parallel.tp_comm_overlap (the distributed start-up and the model are spied on here)."""
+    from toolkit.plan.layout import resolve
+    from toolkit.train import mcore_cpu, megatron_backend, megatron_model
+
+    mcore_cpu.import_shims()  # megatron-core without triton
+    from megatron.core import parallel_state
+
+    events = []
+
+    class Built(Exception):
+        pass
+
+    def build(*_args, **_kwargs):
+        events.append("build")
+        raise Built
+
+    monkeypatch.setattr(megatron_backend, "prepare_megatron", lambda: None)  # no CPU layer in this process
+    monkeypatch.setattr(megatron_backend, "_init_distributed", lambda layout: None)
+    monkeypatch.setattr(megatron_backend, "_seed", lambda seed: None)
+    monkeypatch.setattr(parallel_state, "initialize_model_parallel", lambda **kwargs: None)
+    monkeypatch.setattr(megatron_model, "initialize_tp_comm_overlap", lambda *args: events.append(("ub", args[1:])))
+    monkeypatch.setattr(megatron_model, "build_model_chunks", build)
+    cfg = compose(*OVERLAP, f"parallel.tp_comm_overlap={overlap}", "train.micro_batch=2")
+    layout = resolve(cfg)
+    with pytest.raises(Built):
+        megatron_backend.MegatronSteps(cfg, layout)
+    assert events == ([("ub", (layout.seq_length, 2))] if overlap else []) + ["build"]

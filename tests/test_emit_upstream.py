@@ -11,29 +11,30 @@ from upstream import deepspeed_accepts, megatron_accepts
 
 from toolkit.emit.deepspeed import deepspeed_config
 from toolkit.emit.megatron import megatron_sections
+from toolkit.emit.megatron_args import megatron_args
 from toolkit.plan.layout import resolve
 from toolkit.plan.validate import validate
 
 logging.getLogger("DeepSpeed").setLevel(logging.WARNING)
 
-# (tp, pp, vpp, cp, sequence_parallel)
+# (tp, pp, vpp, cp, sequence_parallel, tp_comm_overlap)
 GPU_LAYOUTS = [
-    (1, 1, 1, 1, False),
-    (8, 1, 1, 1, True),
-    (4, 4, 1, 1, True),
-    (8, 4, 2, 1, True),
-    (2, 2, 2, 2, False),
-    (8, 8, 1, 1, True),
-    (2, 1, 1, 1, False),
-    (1, 2, 1, 1, False),
+    (1, 1, 1, 1, False, False),
+    (8, 1, 1, 1, True, False),
+    (4, 2, 1, 1, True, True),
+    (8, 4, 2, 1, True, False),
+    (2, 2, 2, 2, False, False),
+    (8, 8, 1, 1, True, False),
+    (2, 1, 1, 1, False, False),
+    (1, 2, 1, 1, False, False),
 ]
 CPU_LAYOUTS = [
-    (1, 1, 1, 1, False),
-    (2, 1, 1, 1, False),
-    (2, 2, 2, 1, False),
-    (1, 4, 2, 1, False),
-    (1, 2, 1, 2, False),
-    (4, 1, 1, 1, True),
+    (1, 1, 1, 1, False, False),
+    (2, 1, 1, 1, False, False),
+    (2, 2, 2, 1, False, False),
+    (1, 4, 2, 1, False, False),
+    (1, 2, 1, 2, False, False),
+    (4, 1, 1, 1, True, False),
 ]
 ZERO = [
     (0, "none", "none"),
@@ -61,12 +62,14 @@ MODELS = [
 
 def variants(base):
     layouts = CPU_LAYOUTS if base.cluster.device == "cpu" else GPU_LAYOUTS
-    for (tp, pp, vpp, cp, sp), (stage, off_opt, off_par), dtype, recompute, backend in itertools.product(
+    for (tp, pp, vpp, cp, sp, overlap), (stage, off_opt, off_par), dtype, recompute, backend in itertools.product(
         layouts, ZERO, PRECISION, RECOMPUTE, BACKEND
     ):
         yield dataclasses.replace(
             base,
-            parallel=dataclasses.replace(base.parallel, tp=tp, pp=pp, vpp=vpp, cp=cp, sequence_parallel=sp),
+            parallel=dataclasses.replace(
+                base.parallel, tp=tp, pp=pp, vpp=vpp, cp=cp, sequence_parallel=sp, tp_comm_overlap=overlap
+            ),
             zero=dataclasses.replace(base.zero, stage=stage, offload_optimizer=off_opt, offload_param=off_par),
             precision=dataclasses.replace(base.precision, dtype=dtype),
             recompute=dataclasses.replace(base.recompute, granularity=recompute),
@@ -86,7 +89,7 @@ def test_upstream_accepts_every_valid_composition(compose, model, cluster):
         "data=synthetic",  # the layouts, not the data: mistral_7b's 32000 tokens < the corpus's GPT-2 BPE
         "checks.memory=off",  # and what upstream accepts, not what fits (tests/test_fit.py)
     )
-    accepted = 0
+    accepted = overlapped = 0
     for cfg in variants(base):
         if not validate(cfg).ok:
             continue
@@ -112,6 +115,14 @@ def test_upstream_accepts_every_valid_composition(compose, model, cluster):
             None if cfg.recompute.granularity == "none" else cfg.recompute.granularity
         )
         assert optimizer.use_distributed_optimizer == ddp.use_distributed_optimizer == (cfg.zero.stage == 1)
+        # the overlap reaches megatron-core with TE's layers, which alone have it
+        assert transformer.tp_comm_overlap == cfg.parallel.tp_comm_overlap
+        if cfg.parallel.tp_comm_overlap:
+            overlapped += 1
+            assert transformer.transformer_impl == "transformer_engine"
+            assert "--tp-comm-overlap" in megatron_args(cfg, layout, megatron_sections(cfg, layout))
         assert optimizer.lr == pytest.approx(layout.lr)
     # the matrix must exercise the upstream classes, not just the validator
     assert accepted >= 50, accepted
+    if model in ("llama3_8b", "gpt3_175b"):  # tp4 x sp with the overlap is a valid layout of these
+        assert overlapped

@@ -95,6 +95,24 @@ ERROR_CASES = [
     ("zero_pipeline", [DS, "zero=2", "parallel.pp=2"], [DS, "zero=1", "parallel.pp=2"], "zero.stage"),
     ("deepspeed_layout", [DS, "parallel.tp=2"], ["backend=megatron", "parallel.tp=2"], "parallel.tp"),
     (
+        "deepspeed_layout",
+        [DS, H100, "parallel.tp_comm_overlap=true"],
+        ["backend=megatron", H100, "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true"],
+        "parallel.tp_comm_overlap",
+    ),
+    (
+        "tp_overlap_needs_sp",
+        [H100, "parallel.tp=2", "parallel.tp_comm_overlap=true"],
+        [H100, "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true"],
+        "parallel.sequence_parallel",
+    ),
+    (
+        "tp_overlap_device",
+        ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true"],
+        ["parallel.tp=2", "parallel.sequence_parallel=true"],
+        "cluster.device",
+    ),
+    (
         "pipeline_sliding_window",
         [DS, "parallel.pp=2", "model.sliding_window=64"],
         [DS, "model.sliding_window=64"],
@@ -419,6 +437,11 @@ def test_a_package_an_option_needs_is_refused_only_where_it_is_missing_on_the_ma
         compose(H100, "parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true"),
         installed=lambda module: False,
     ).ok
+    # the tensor-parallel communication overlap lives in TE's userbuffers: the same, for its field
+    overlap = compose(H100, "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.tp_comm_overlap=true")
+    hits = [v for v in validate(overlap, installed=lambda module: False).errors if v.rule == "package"]
+    assert hits and "parallel.tp_comm_overlap" in str(hits[0]) and "parallel.tp_comm_overlap=false" in hits[0].fix
+    assert validate(overlap, installed=lambda module: module == "transformer_engine.pytorch").ok
 
 
 def test_a_missing_init_checkpoint_is_refused_before_any_rank_starts(compose, tmp_path):

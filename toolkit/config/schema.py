@@ -237,6 +237,9 @@ class ParallelConfig:
     first_stage_layers: Optional[int] = None
     last_stage_layers: Optional[int] = None
     sequence_parallel: bool = False  # Megatron sequence parallel (needs tp > 1)
+    # Overlap tensor parallel's all-gathers and reduce-scatters with the GEMMs that use them
+    # (megatron-core's tp_comm_overlap: Transformer Engine's userbuffers, CUDA, sequence parallel).
+    tp_comm_overlap: bool = False
 
 
 @dataclass
@@ -418,7 +421,8 @@ class ClusterConfig:
     # (CPU: glibc maps tensors over 32 MiB afresh, and each page faults in); null: allocations
     # reuse memory (the GPU caching allocator).
     fresh_memory_gbs: Optional[float] = None
-    # Fraction of peak a large, well-shaped GEMM reaches (a measured matmul benchmark).
+    # Fraction of peak a large, well-shaped GEMM sustains in training (a matmul benchmark that holds
+    # the GPU at its power limit, below the boost clock a short burst reaches).
     gemm_efficiency: float = 0.8
     # A GEMM dimension at which a kernel reaches half its large-shape efficiency (the saturation
     # curve `parakit probe` fits on CPU; on GPUs it shapes only flash attention's head dimension

@@ -26,6 +26,7 @@ def _model_parallel(cfg: Config, layout: Layout) -> dict:
         "virtual_pipeline_model_parallel_size": layout.vpp if layout.vpp > 1 else None,
         "context_parallel_size": layout.cp,
         "sequence_parallel": cfg.parallel.sequence_parallel,
+        "tp_comm_overlap": cfg.parallel.tp_comm_overlap,
         "bf16": dtype in ("bf16", "fp8"),
         "fp16": dtype == "fp16",
         # Megatron-LM keeps model weights in the training dtype; the optimizer holds fp32 masters.
@@ -46,6 +47,8 @@ def _transformer(cfg: Config) -> dict:
     m, r = cfg.model, cfg.recompute
     fused = cfg.cluster.device == "cuda"
     swiglu = m.activation == "swiglu"
+    # fp8 GEMMs and the tensor-parallel communication overlap exist in Transformer Engine's layers only
+    needs_te = cfg.precision.dtype == "fp8" or cfg.parallel.tp_comm_overlap
     return {
         "num_layers": m.num_layers,
         "num_layers_in_first_pipeline_stage": cfg.parallel.first_stage_layers,
@@ -83,7 +86,7 @@ def _transformer(cfg: Config) -> dict:
         "recompute_num_layers": r.num_layers if r.granularity == "full" else None,
         "recompute_modules": list(r.modules) if r.granularity == "selective" else None,
         "fp8": cfg.precision.fp8_format if cfg.precision.dtype == "fp8" else None,
-        "transformer_impl": "transformer_engine" if cfg.precision.dtype == "fp8" else "local",
+        "transformer_impl": "transformer_engine" if needs_te else "local",
     }
 
 

@@ -76,6 +76,8 @@ def megatron_args(cfg: Config, layout: Layout, sections: dict) -> list[str]:
         args.append(f"--context-parallel-size {layout.cp}")
     if mp["sequence_parallel"]:
         args.append("--sequence-parallel")
+    if mp["tp_comm_overlap"]:
+        args.append("--tp-comm-overlap")
     if opt["use_distributed_optimizer"]:
         args.append("--use-distributed-optimizer")
     if ddp["overlap_grad_reduce"]:

@@ -60,6 +60,16 @@ TRANSFORMER_ENGINE_FP8 = Package(
     why="fp8 matrix multiplies and their scaling recipes are Transformer Engine's",
     instead="precision=bf16",
 )
+# The overlap is Transformer Engine's (userbuffers and its GEMM kernels that exchange chunks):
+# megatron-core's local spec has no such layers and would run the collectives exposed.
+TRANSFORMER_ENGINE_TP_OVERLAP = Package(
+    module="transformer_engine.pytorch",
+    install="transformer-engine[pytorch]",
+    field="parallel.tp_comm_overlap",
+    value="True",
+    why="the tensor-parallel communication/GEMM overlap runs in Transformer Engine's userbuffers",
+    instead="parallel.tp_comm_overlap=false",
+)
 
 
 @dataclass(frozen=True)
@@ -71,7 +81,9 @@ class Backend:
     zero_stages: tuple[int, ...]
     zero_meaning: str
     pipeline_zero_stages: tuple[int, ...]  # stages allowed together with pipeline parallel
-    parallel_dims: frozenset[str]  # of {"tp", "pp", "vpp", "cp", "sp"}; dp always
+    # of {"tp", "pp", "vpp", "cp", "sp"} and "tp_overlap" (tensor-parallel communication overlapped
+    # with the GEMMs); dp always
+    parallel_dims: frozenset[str]
     recompute: tuple[str, ...]  # recompute granularities
     precisions: tuple[str, ...]
     offload: bool  # ZeRO optimizer/parameter offload
@@ -131,7 +143,7 @@ MEGATRON = Backend(
     zero_stages=(0, 1),
     zero_meaning="stage 1 is Megatron's distributed optimizer (optimizer state sharded over dp x cp)",
     pipeline_zero_stages=(0, 1),
-    parallel_dims=frozenset({"tp", "pp", "vpp", "cp", "sp"}),
+    parallel_dims=frozenset({"tp", "pp", "vpp", "cp", "sp", "tp_overlap"}),
     recompute=("none", "selective", "full"),
     precisions=("fp32", "bf16", "fp16", "fp8"),
     offload=False,
@@ -165,7 +177,7 @@ MEGATRON = Backend(
     megatron_lm_entry=True,
     dist_init_weights=True,  # megatron_backend's setup loads or saves them
     # Context parallel, sequence parallel and sliding windows run without TE (toolkit.train's local spec).
-    packages=(TRANSFORMER_ENGINE_FP8,),
+    packages=(TRANSFORMER_ENGINE_FP8, TRANSFORMER_ENGINE_TP_OVERLAP),
 )
 
 DEEPSPEED = Backend(

@@ -9,8 +9,8 @@ plus softmax and dropout passes; memory-bound element-wise work (norms, activati
 as bytes over HBM bandwidth.
 Tensor parallel: per layer and micro-batch, 2 all-reduces forward and 2 backward (or the same
 volume as all-gather + reduce-scatter with sequence parallel) of b*s*h values (Narayanan et al.
-2021, section 3.3; Korthikanti et al. 2022, section 4.2.2), not overlapped (no userbuffer overlap);
-on CPU (gloo) a collective is work of the node's cores, shared with the compute as that is.
+2021, section 3.3; Korthikanti et al. 2022, section 4.2.2), exposed unless parallel.tp_comm_overlap hides them under the
+layer's GEMMs; on CPU (gloo) a collective is work of the node's cores, shared with the compute as that is.
 Pipeline: (m + (p-1)/v) micro-batch times per step (Narayanan et al. 2021, section 2.2.2) plus
 point-to-point sends of b*s*h activations per chunk boundary.
 Data parallel: ring reduce-scatter/all-gather, (d-1)/d of the bytes over the slowest link per
@@ -286,7 +286,13 @@ def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
     # A layer's compute (which shares a CPU node's cores) and its communication (which waits)
     layer = gemm_fwd + gemm_bwd + core_fwd + core_bwd + elementwise + c.layer_overhead_s
     layer += (stack.layer_s + (stack.tp_layer_s if tp > 1 else 0.0)) if stack else 0.0
-    layer_comm = collectives * tp_collective
+    tp_layer = collectives * tp_collective
+    if p.tp_comm_overlap:  # Transformer Engine's userbuffers split each GEMM and exchange the chunks
+        # of its all-gather / reduce-scatter while the other chunks compute (megatron-core
+        # tp_comm_overlap; Wang et al. 2023, "Overlap Communication with Dependent Computation via
+        # Decomposition in Large Deep Learning Models", section 3): hidden up to the layer's GEMMs
+        tp_layer = _overlapped(tp_layer, gemm_fwd * (2 if recompute == "full" else 1) + gemm_bwd)
+    layer_comm = tp_layer
     if recompute == "full":
         layer += gemm_fwd + core_fwd + elementwise / 3
     elif recompute == "selective":
@@ -318,7 +324,7 @@ def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
     stage_times = [t * sharing + m for t, m in zip(work, comm)]
     slowest = max(range(pp), key=stage_times.__getitem__)
     per_microbatch = stage_times[slowest]
-    tp_per_microbatch = layout.stage_layers[slowest] * collectives * tp_collective
+    tp_per_microbatch = layout.stage_layers[slowest] * tp_layer
 
     num_mb = layout.num_microbatches
     bubble = (pp - 1) / vpp * per_microbatch

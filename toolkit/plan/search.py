@@ -185,6 +185,7 @@ def candidate_configs(cfg: Config):
                                 cp=cp,
                                 dp=None,
                                 sequence_parallel="sp" in dims and tp > 1,
+                                tp_comm_overlap=cfg.parallel.tp_comm_overlap and tp > 1,
                                 first_stage_layers=first,
                                 last_stage_layers=last,
                             )

@@ -415,6 +415,21 @@ def _parallel(cfg: Config) -> Iterator[Violation]:
             "sequence parallel splits the tensor-parallel region's activations and needs tp > 1",
             "set parallel.sequence_parallel=false, or parallel.tp>=2",
         )
+    if p.tp_comm_overlap and not p.sequence_parallel:
+        yield _err(
+            "tp_overlap_needs_sp",
+            {"parallel.tp_comm_overlap": True, "parallel.sequence_parallel": False},
+            "megatron-core overlaps the all-gathers and reduce-scatters of sequence parallel with the GEMMs; "
+            "without it there is nothing to overlap (Megatron-LM asserts the same)",
+            "set parallel.sequence_parallel=true (with parallel.tp>=2), or parallel.tp_comm_overlap=false",
+        )
+    if p.tp_comm_overlap and c.device != "cuda":
+        yield _err(
+            "tp_overlap_device",
+            {"parallel.tp_comm_overlap": True, "cluster.device": c.device},
+            "the overlap runs in Transformer Engine's userbuffers, on CUDA devices only",
+            "set parallel.tp_comm_overlap=false",
+        )
     if p.sequence_parallel and m.seq_length % p.tp:
         yield _err(
             "sp_seq",
@@ -552,6 +567,7 @@ def _backend(cfg: Config) -> Iterator[Violation]:
             ("vpp", "parallel.vpp", p.vpp, p.vpp > 1),
             ("cp", "parallel.cp", p.cp, p.cp > 1),
             ("sp", "parallel.sequence_parallel", True, p.sequence_parallel),
+            ("tp_overlap", "parallel.tp_comm_overlap", True, p.tp_comm_overlap),
         )
         if used
     }

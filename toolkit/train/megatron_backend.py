@@ -216,7 +216,7 @@ class MegatronSteps:
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.transformer.module import Float16Module
 
-        from toolkit.train.megatron_model import build_model_chunks
+        from toolkit.train.megatron_model import build_model_chunks, initialize_tp_comm_overlap
 
         self.cfg, self.layout = cfg, layout
         _init_distributed(layout)
@@ -229,6 +229,8 @@ class MegatronSteps:
         _seed(cfg.train.seed)
         sections = megatron_sections(cfg, layout)
         config, optimizer_config, ddp_config = build_megatron_configs(sections)
+        if config.tp_comm_overlap:  # the validator allows it on CUDA with TE only
+            initialize_tp_comm_overlap(config, layout.seq_length, layout.micro_batch)
         chunks = build_model_chunks(sections, config)
         if cfg.train.init_checkpoint:
             _load_weights(chunks, cfg.train.init_checkpoint)
@@ -420,6 +422,10 @@ class MegatronSteps:
 
         if self.async_queue is not None:
             self.async_queue.close()
+        if self.config.tp_comm_overlap:
+            from toolkit.train.megatron_model import destroy_tp_comm_overlap
+
+            destroy_tp_comm_overlap()
         parallel_state.destroy_model_parallel()
         end_process_group()
 

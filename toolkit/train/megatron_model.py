@@ -22,6 +22,38 @@ def have_transformer_engine() -> bool:
     return bool(HAVE_TE)
 
 
+def initialize_tp_comm_overlap(config, seq_length: int, micro_batch: int) -> None:
+    """Transformer Engine's userbuffers for config.tp_comm_overlap, before any layer runs: one
+    micro-batch's tokens on this context-parallel rank by the hidden size, over the tensor-parallel
+    ranks, bootstrapped over NCCL, as Megatron-LM's initialize._initialize_tp_communicators sets them
+    up (TE 2.7 and later take quantization modes where earlier releases take use_fp8)."""
+    import inspect
+
+    from transformer_engine.pytorch import module as te_module
+
+    initialize_ub = te_module.base.initialize_ub
+    kwargs = {
+        "shape": [seq_length * micro_batch // config.context_parallel_size, config.hidden_size],
+        "tp_size": config.tensor_model_parallel_size,
+    }
+    parameters = inspect.signature(initialize_ub).parameters
+    if "bootstrap_backend" in parameters:
+        kwargs["bootstrap_backend"] = "nccl"  # Megatron-LM's --tp-comm-bootstrap-backend default
+    if "quantization_modes" in parameters:
+        modes = te_module.base.UserBufferQuantizationMode
+        kwargs["quantization_modes"] = [modes.FP8 if config.fp8 else modes.NONE]
+    else:
+        kwargs["use_fp8"] = config.fp8 is not None
+    initialize_ub(**kwargs)
+
+
+def destroy_tp_comm_overlap() -> None:
+    """Free the userbuffers initialize_tp_comm_overlap made."""
+    from transformer_engine.pytorch import module as te_module
+
+    te_module.base.destroy_ub()
+
+
 class TorchNorm:
     """torch LayerNorm or RMSNorm (megatron-core's WrappedTorchNorm) that also runs under sequence
     parallel: its weights are marked `sequence_parallel`, as megatron-core's FusedLayerNorm marks
