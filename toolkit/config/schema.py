@@ -83,6 +83,14 @@ class Fp8Format(StrEnum):
     e4m3 = "e4m3"
 
 
+class CpCommType(StrEnum):
+    """How context parallel moves K and V between its ranks (megatron-core's cp_comm_type, run by
+    Transformer Engine's attention)."""
+
+    p2p = "p2p"  # a ring of sends, each hidden under the attention of the step before (the default)
+    all_gather = "all_gather"  # all-gather K and V, then attend: exposed, but few bytes with GQA (Llama 3)
+
+
 class RecomputeGranularity(StrEnum):
     none = "none"
     selective = "selective"
@@ -232,6 +240,7 @@ class ParallelConfig:
     vpp: int = 1  # virtual pipeline stages per pipeline rank (interleaved 1F1B when > 1)
     dp: Optional[int] = None  # data parallel size; derived from the world size when left out
     cp: int = 1  # context parallel size (megatron backend)
+    cp_comm_type: CpCommType = CpCommType.p2p
     # Uneven pipeline: layers on the first / last stage (the rest split evenly over the middle
     # stages), e.g. Llama 3 405B's 126 layers on 16 stages as 7 + 14 x 8 + 7.
     first_stage_layers: Optional[int] = None

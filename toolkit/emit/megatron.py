@@ -86,6 +86,7 @@ def _transformer(cfg: Config) -> dict:
         "recompute_num_layers": r.num_layers if r.granularity == "full" else None,
         "recompute_modules": list(r.modules) if r.granularity == "selective" else None,
         "fp8": cfg.precision.fp8_format if cfg.precision.dtype == "fp8" else None,
+        "cp_comm_type": str(cfg.parallel.cp_comm_type) if cfg.parallel.cp > 1 else None,
         "transformer_impl": "transformer_engine" if needs_te else "local",
     }
 

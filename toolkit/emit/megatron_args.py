@@ -73,7 +73,7 @@ def megatron_args(cfg: Config, layout: Layout, sections: dict) -> list[str]:
     if tr["num_layers_in_last_pipeline_stage"] is not None:
         args.append(f"--decoder-last-pipeline-num-layers {tr['num_layers_in_last_pipeline_stage']}")
     if layout.cp > 1:
-        args.append(f"--context-parallel-size {layout.cp}")
+        args += [f"--context-parallel-size {layout.cp}", f"--cp-comm-type {tr['cp_comm_type']}"]
     if mp["sequence_parallel"]:
         args.append("--sequence-parallel")
     if mp["tp_comm_overlap"]:

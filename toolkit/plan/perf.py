@@ -297,11 +297,18 @@ def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
         layer += gemm_fwd + core_fwd + elementwise / 3
     elif recompute == "selective":
         layer += core_fwd
-    if cp > 1:  # K/V blocks travel the cp ring (cp-1 hops; backward also returns dK/dV), hidden
-        # under the attention of each step (Megatron context parallel, Liu et al. 2023 "Ring Attention")
+    if cp > 1:  # every rank receives the other ranks' K and V (one pass: an all-gather's volume)
         cp_bw = c.inter_node_bandwidth_gbs if _spans_nodes(cfg, cp, tp) else c.intra_node_bandwidth_gbs
-        cp_ring = 3 * ring(cp * tokens * 2 * kv / tp * nbytes, cp, cp_bw, 1.0)
-        layer_comm += _overlapped(cp_ring, core_fwd + core_bwd)
+        kv_pass = ring(cp * tokens * 2 * kv / tp * nbytes, cp, cp_bw, 1.0)
+        if c.device == "cpu":  # toolkit.train's SdpaAttention: K/V all-gathered once (autograd keeps
+            # them), their gradients reduce-scattered
+            layer_comm += 2 * kv_pass
+        elif p.cp_comm_type == "all_gather":  # Transformer Engine gathers K/V again for the backward
+            # and reduce-scatters dK/dV, all exposed (AttnFuncWithCPAndKVAllGather; Llama 3, section 3.3.2)
+            layer_comm += 3 * kv_pass
+        else:  # the ring: K/V forward, K/V and dK/dV backward, each step's sends hidden under the
+            # attention of the step before (Megatron context parallel, Liu et al. 2023 "Ring Attention")
+            layer_comm += _overlapped(3 * kv_pass, core_fwd + core_bwd)
 
     # --- per micro-batch on the slowest stage (the last one adds the logits)
     vocab_shard = layout.padded_vocab_size / tp
