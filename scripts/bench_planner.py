@@ -9,7 +9,9 @@ with the source's own FLOP convention). Where the source leaves the micro batch 
 open, the planner's own best choice that fits in memory is used (listed under "chosen").
 A run's `overrides` are further stated settings as Hydra overrides (the software's defaults of
 the time, a cluster's stated network or memory); `schedule.vpp` prices an interleaving the
-source states but parakit's configuration cannot express.
+source states but parakit's configuration cannot express, `kernels` the element-wise and loss
+kernels of another backend (a run whose sharding parakit models as DeepSpeed's ZeRO-3 but whose
+kernels were fused: Transformer Engine's, or torch.compile's).
 The goal is +-15% on every run; the summary says how many meet it.
 """
 
@@ -28,6 +30,7 @@ import yaml
 from toolkit.config.store import compose_config
 from toolkit.plan.flops import step_flops
 from toolkit.plan.layout import bubble_fraction, resolve
+from toolkit.plan.backends import backend_named, backend_of
 from toolkit.plan.memory import GIB, peak_memory
 from toolkit.plan.params import head_dim, model_params
 from toolkit.plan.perf import estimate_step
@@ -107,12 +110,28 @@ def _scheduled(layout, run: dict):
     )
 
 
+def _kernels(cfg, run: dict):
+    """The backend description to price the run with: its own, or with the element-wise and loss
+    kernels of the backend `kernels` names."""
+    backend = backend_of(cfg)
+    if "kernels" not in run:
+        return backend
+    fused = backend_named(run["kernels"])
+    return dataclasses.replace(
+        backend,
+        elementwise_traffic=fused.elementwise_traffic,
+        loss_logit_passes=fused.loss_logit_passes,
+        loss_fresh_logits=fused.loss_fresh_logits,
+    )
+
+
 def predict(run: dict) -> dict:
     cfg = compose_run(run)
+    backend = _kernels(cfg, run)
     best = None
     for candidate, errors in _choices(cfg, run):
         layout = _scheduled(resolve(candidate), run)
-        step = estimate_step(candidate, layout)
+        step = estimate_step(candidate, layout, backend)
         memory = peak_memory(candidate, layout)
         fits = memory.total <= candidate.cluster.gpu_memory_gb * 1e9
         key = (fits, -step.step_time)

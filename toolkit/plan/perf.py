@@ -28,7 +28,7 @@ import os
 from dataclasses import dataclass
 
 from toolkit.config.schema import Config
-from toolkit.plan.backends import GradReduce, backend_of
+from toolkit.plan.backends import Backend, GradReduce, backend_of
 from toolkit.plan.flops import step_flops
 from toolkit.plan.layout import Layout
 from toolkit.plan.memory import DTYPE_BYTES
@@ -237,11 +237,12 @@ def _core_sharing(cfg: Config, layout: Layout, stage_times: list[float], step_s:
     return max(1.0, work / cores / critical)
 
 
-def estimate_step(cfg: Config, layout: Layout) -> StepEstimate:
+def estimate_step(cfg: Config, layout: Layout, backend: Backend | None = None) -> StepEstimate:
     """Predicted time of one optimizer step of `layout` (compute, tensor/pipeline/data-parallel
-    communication, the pipeline bubble, the optimizer), and the throughput and MFU that follow."""
+    communication, the pipeline bubble, the optimizer), and the throughput and MFU that follow.
+    `backend`: the description to price it with (default: the configuration's backend)."""
     m, c, p = cfg.model, cfg.cluster, cfg.parallel
-    backend = backend_of(cfg)
+    backend = backend or backend_of(cfg)
     tp, pp, vpp, cp, dp = layout.tp, layout.pp, layout.vpp, layout.cp, layout.dp
     nbytes = DTYPE_BYTES[cfg.precision.dtype]
     peak = peak_flops(cfg) * c.gemm_efficiency * (FP8_GEMM_FRACTION if cfg.precision.dtype == "fp8" else 1.0)
