@@ -33,23 +33,22 @@ GEMM_DIMS = (16, 64, 256, 1024)
 GEMM_TOKENS = (64, 256, 1024)
 STREAM_BYTES = (2**18, 2**20, 2**22, 2**24, 2**26, 2**27)  # 256 KiB .. 128 MiB per tensor
 COLLECTIVE_BYTES = tuple(2**k for k in range(12, 25, 2))  # 4 KiB .. 16 MiB
-MIN_SECONDS = 0.01  # each figure: repeats until this long, then the fastest of 3 such runs
+# Each figure: 3 batches of calls, each at least this long, and the mean over all of them. Training
+# feels the machine's average speed: on a shared VM the same single-thread GEMM ran anywhere from
+# 26 to 98 GFLOP/s in 0.2 s windows over 40 s (median 56), so the fastest batch of a probe is up
+# to 1.7x faster than a training step averages.
+MIN_SECONDS = 0.05
 
 
 def _timed(fn, min_seconds: float = MIN_SECONDS) -> float:
-    """Seconds one call takes: the best of 3 batches of calls, each batch at least min_seconds."""
+    """Seconds one call takes on average over 3 batches of calls, each at least min_seconds."""
     fn()  # warm: first-touch pages, oneDNN's kernel choice
-    best = float("inf")
-    for _ in range(3):
-        calls, started = 0, time.perf_counter()
-        while True:
+    calls, started = 0, time.perf_counter()
+    for batch in range(1, 4):
+        while time.perf_counter() - started < batch * min_seconds:
             fn()
             calls += 1
-            elapsed = time.perf_counter() - started
-            if elapsed >= min_seconds:
-                break
-        best = min(best, elapsed / calls)
-    return best
+    return (time.perf_counter() - started) / calls
 
 
 def gemm_times(dtype) -> list[list[float]]:
@@ -112,8 +111,8 @@ def _collective(kind: str, nbytes: int, group, peer: int | None):
 
 def _time_together(fn) -> float:
     """Seconds per call of a collective every rank runs: warm-up calls, then 3 batches of as many
-    calls as rank 0 finds to take MIN_SECONDS; the best batch (a collective ends on every rank at
-    about the same time, so rank 0's figure stands for all)."""
+    calls as rank 0 finds to take MIN_SECONDS; the mean over them (a collective ends on every rank
+    at about the same time, so rank 0's figure stands for all)."""
     import torch
     import torch.distributed as dist
 
@@ -124,14 +123,14 @@ def _time_together(fn) -> float:
     fn()
     calls = torch.tensor([max(1, min(1000, int(MIN_SECONDS / max(time.perf_counter() - started, 1e-6))))])
     dist.broadcast(calls, 0)
-    best = float("inf")
+    elapsed = 0.0
     for _ in range(3):
         dist.barrier()
         started = time.perf_counter()
         for _ in range(int(calls)):
             fn()
-        best = min(best, (time.perf_counter() - started) / int(calls))
-    return best
+        elapsed += time.perf_counter() - started
+    return elapsed / (3 * int(calls))
 
 
 def collective_times(rank: int, world: int) -> dict[str, dict[str, list[list[float]]]]:
@@ -228,7 +227,7 @@ STACK_STEPS, STACK_WARMUP = 12, 2
 
 def _stack_main(backend: str, points: list, world: int, port: int, rank: int, queue) -> None:
     """Seconds per step of each (layers, vocabulary, tp) point of `backend` on `world` ranks
-    (the lower quartile after warm-up; rank 0 reports)."""
+    (the median after warm-up, as a training run's step time is read; rank 0 reports)."""
     import importlib
     import statistics
 
@@ -256,9 +255,7 @@ def _stack_main(backend: str, points: list, world: int, port: int, rank: int, qu
             steps.forward_backward(step, False, lambda _step: None)
             steps.update()
             times.append(time.perf_counter() - started)
-        # Another process's load only ever slows a step: the lower quartile is this stack's own speed
-        # (two probes a few minutes apart differed by up to 2x in their medians on a shared VM).
-        seconds.append(statistics.quantiles(times[STACK_WARMUP:], n=4)[0])
+        seconds.append(statistics.median(times[STACK_WARMUP:]))
         if backend == "megatron":  # megatron-core rebuilds its groups each time
             steps.close()
         else:  # DeepSpeed keeps its groups past the process group's end: one group for all runs
