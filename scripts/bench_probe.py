@@ -15,6 +15,11 @@ Runs, in one invocation:
 
 Goals (issue: a planner right on this machine): the main job within 25%, the sweep's median
 |error| within 15%, and the calibrated held-out median within 10%. The summary says which are met.
+
+The machine's own speed (2 s of one thread's GEMM, with nothing else of the benchmark running) is
+taken before the probe, after it and after each sweep, and printed beside the errors: on a shared
+VM it moves by more than the goals within minutes, and the probe's figures are of other minutes
+than the sweep's.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 
 GRIDS = (
@@ -33,6 +39,20 @@ GRIDS = (
 )
 MAIN_JOB = "tp2_pp2_vpp2"
 GOALS = {"main job": 0.25, "sweep median": 0.15, "calibrated held-out median": 0.10}
+
+
+def machine_speed(seconds: float = 2.0) -> float:
+    """GFLOP/s of one thread's 256^3 fp32 GEMM over `seconds`, with nothing else of this benchmark
+    running (the machine's own speed of the moment)."""
+    import torch
+
+    torch.set_num_threads(1)
+    a, b, out = torch.randn(256, 256), torch.randn(256, 256), torch.empty(256, 256)
+    calls, started = 0, time.perf_counter()
+    while time.perf_counter() - started < seconds:
+        torch.mm(a, b, out=out)
+        calls += 1
+    return 2 * 256**3 * calls / (time.perf_counter() - started) / 1e9
 
 
 def parakit(*args: str, cwd: Path) -> subprocess.CompletedProcess:
@@ -52,7 +72,9 @@ def main() -> int:
     from toolkit.config import machine
     from toolkit.plan.calibrate import calibrate, load_points
 
+    speeds = {"start": machine_speed()}
     probe = machine.run_probe(force=opts.force_probe)
+    speeds["after the probe"] = machine_speed()
     print(
         f"machine: {probe['fingerprint']['processor']}, {probe['fingerprint']['cores']} cores (probe cached in "
         f"{machine.cache_path()})",
@@ -73,6 +95,7 @@ def main() -> int:
             cwd=root,
         )
         print("\n".join(line for line in done.stdout.splitlines() if "sweep point" in line), flush=True)
+        speeds[f"after the {grid[0].split('=')[1]} sweep"] = machine_speed()
         if done.returncode:
             print(done.stderr[-3000:], file=sys.stderr)
             return 1
@@ -95,10 +118,12 @@ def main() -> int:
     for name, value in figures.items():
         verdict = "met" if value <= GOALS[name] else "MISSED"
         print(f"{name:<28} |error| {value:6.1%}   goal {GOALS[name]:.0%}: {verdict}")
+    listing = ", ".join(f"{when} {gflops:.0f}" for when, gflops in speeds.items())
+    spread = max(speeds.values()) / min(speeds.values())
+    print(f"machine speed (one thread's GEMM, GFLOP/s): {listing}; fastest/slowest {spread:.2f}x")
     if opts.json:
-        Path(opts.json).write_text(
-            json.dumps({"machine": probe["fingerprint"], "errors": errors, "figures": figures}, indent=1)
-        )
+        record = {"machine": probe["fingerprint"], "errors": errors, "figures": figures, "speed_gflops": speeds}
+        Path(opts.json).write_text(json.dumps(record, indent=1))
     return 0 if all(v <= GOALS[n] for n, v in figures.items()) else 3
 
 

@@ -26,7 +26,7 @@ import tempfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-PROBE_VERSION = 5  # bumped when what the probe measures or fits changes: caches probe again
+PROBE_VERSION = 6  # bumped when what the probe measures or fits changes: caches probe again
 CACHE_ENV = "PARAKIT_CACHE_DIR"
 PROBE_ENV = "PARAKIT_PROBE"  # 0: the guesses in the cluster file; the probe sets it for itself
 _loaded: dict | None = None

@@ -222,12 +222,14 @@ def measure(ranks: int, cores: int) -> dict:
     return {"ranks": ranks, "compute_ranks": compute_ranks, "per_rank": gathered}
 
 
-STACK_STEPS, STACK_WARMUP = 12, 2
+STACK_STEPS, STACK_WARMUP = 8, 2
 
 
 def _stack_main(backend: str, points: list, world: int, port: int, rank: int, queue) -> None:
-    """Seconds per step of each (layers, vocabulary, tp) point of `backend` on `world` ranks
-    (the median after warm-up, as a training run's step time is read; rank 0 reports)."""
+    """Seconds per step of each (layers, vocabulary, tp) point of `backend` on `world` ranks: the
+    points in order, then in reverse, each time the median step after warm-up (as a training run's
+    step is read), and the mean of its two (a slow minute of a shared VM then weighs on one of
+    them, not on one point's figure alone); rank 0 reports."""
     import importlib
     import statistics
 
@@ -243,9 +245,11 @@ def _stack_main(backend: str, points: list, world: int, port: int, rank: int, qu
     quiet_upstream_notices()
     if world > 1:
         os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1")
-    seconds, kept = [], None
-    for i, (layers, vocab, tp) in enumerate(points):
-        os.environ["MASTER_PORT"] = str(port + i)
+    medians, kept = {}, None
+    order = list(range(len(points)))
+    for run, i in enumerate(order + order[::-1]):
+        layers, vocab, tp = points[i]
+        os.environ["MASTER_PORT"] = str(port + run)
         cfg = compose_config(stack_overrides(backend, layers, vocab, tp))
         steps = importlib.import_module(backend_of(cfg).trainer).setup(cfg, resolve(cfg))
         steps.begin_at(0)
@@ -255,7 +259,7 @@ def _stack_main(backend: str, points: list, world: int, port: int, rank: int, qu
             steps.forward_backward(step, False, lambda _step: None)
             steps.update()
             times.append(time.perf_counter() - started)
-        seconds.append(statistics.median(times[STACK_WARMUP:]))
+        medians.setdefault(i, []).append(statistics.median(times[STACK_WARMUP:]))
         if backend == "megatron":  # megatron-core rebuilds its groups each time
             steps.close()
         else:  # DeepSpeed keeps its groups past the process group's end: one group for all runs
@@ -263,7 +267,7 @@ def _stack_main(backend: str, points: list, world: int, port: int, rank: int, qu
     if kept is not None:
         kept.close()
     if rank == 0:
-        queue.put(seconds)
+        queue.put([statistics.fmean(medians[i]) for i in order])
 
 
 def measure_stack(backend: str, points: list, world: int = 1) -> list[float]:
