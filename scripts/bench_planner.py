@@ -82,7 +82,7 @@ def _choices(cfg, run: dict):
     """The configuration, or one per open choice (micro batch, interleaving) the source leaves out."""
     dp = cfg.cluster.nodes * cfg.cluster.gpus_per_node // (cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp)
     micros = [run["train"]["micro_batch"]] if "micro_batch" in run["train"] else [1, 2, 4, 8, 16]
-    vpps = [cfg.parallel.vpp] if ("vpp" in run["parallel"] or cfg.parallel.pp == 1) else [1, 2, 3, 4, 5, 6, 8]
+    vpps = [cfg.parallel.vpp] if ("vpp" in run["parallel"] or cfg.parallel.pp == 1) else range(1, 9)
     for micro in micros:
         if cfg.train.global_batch % (micro * dp):
             continue

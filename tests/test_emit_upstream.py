@@ -121,6 +121,13 @@ def test_upstream_accepts_every_valid_composition(compose, model, cluster):
             overlapped += 1
             assert transformer.transformer_impl == "transformer_engine"
             assert "--tp-comm-overlap" in megatron_args(cfg, layout, megatron_sections(cfg, layout))
+        # GPU interleaving sends while the next chunk computes, as Megatron-LM's default (the
+        # planner hides those sends); batched sends cannot overlap; gloo sends one at a time
+        interleaved_gpu = layout.vpp > 1 and cfg.cluster.device == "cuda"
+        assert transformer.overlap_p2p_comm == interleaved_gpu
+        assert transformer.batch_p2p_comm == (cfg.cluster.device == "cuda" and not interleaved_gpu)
+        no_overlap = "--no-overlap-p2p-communication" in megatron_args(cfg, layout, megatron_sections(cfg, layout))
+        assert no_overlap == (layout.vpp > 1 and not interleaved_gpu)
         assert optimizer.lr == pytest.approx(layout.lr)
     # the matrix must exercise the upstream classes, not just the validator
     assert accepted >= 50, accepted

@@ -102,9 +102,10 @@ def test_pipeline_sends_the_tensor_megatron_core_sends(compose, sequence_paralle
     from megatron.core.pipeline_parallel.schedules import get_tensor_shapes
 
     cfg = compose(
-        "model=llama3_70b", "cluster=h100_cluster", "parallel.tp=8", "parallel.pp=4", "parallel.vpp=2",
+        "model=llama3_70b", "cluster=h100_cluster", "parallel.tp=8", "parallel.pp=4", "parallel.vpp=1",
         "parallel.cp=2", f"parallel.sequence_parallel={sequence_parallel}", "train.global_batch=64",
     )  # fmt: skip
+    # vpp=1: megatron-core waits on each send (the interleaved overlap: the next test)
     layout = resolve(cfg)
     group = lambda size: SimpleNamespace(size=lambda: size)  # noqa: E731
     config = SimpleNamespace(variable_seq_lengths=False, sequence_parallel=sequence_parallel, hidden_size=8192)
@@ -114,6 +115,53 @@ def test_pipeline_sends_the_tensor_megatron_core_sends(compose, sequence_paralle
     bandwidth = cfg.cluster.inter_node_bandwidth_gbs  # tp*cp*dp = 64 GPUs per stage: stages cross nodes
     sends = layout.num_microbatches * layout.vpp * 2  # forward activations, backward gradients, per chunk
     assert estimate_step(cfg, layout).pp_comm == pytest.approx(sends * _p2p_time(cfg, sent, bandwidth), rel=1e-12)
+
+
+def test_a_synchronous_step_waits_on_the_slowest_chip_of_the_job(compose):
+    """Chips of one model differ (an H200 node's 8 GPUs spread over 4.5% in sustained GEMM rate)
+    and every step waits on the slowest GPU: one node runs about half its spread below the mean
+    (by symmetry, the expected minimum of 8 samples is half their expected range below it), 16,384
+    GPUs about 3.9 standard deviations. Identical chips (spread 0, the CPU probe's one machine)
+    change nothing. A defect that ignores the job's size leaves Llama 3's 16K-GPU runs 4% fast."""
+    import dataclasses
+
+    from toolkit.plan.perf import RANGE_OF_EIGHT, estimate_step, slowest_chip_factor
+
+    assert slowest_chip_factor(1, 0.045) == 1.0 and slowest_chip_factor(16384, 0.0) == 1.0
+    assert 1 - slowest_chip_factor(8, 0.045) == pytest.approx(0.045 / 2, rel=0.01)
+    assert 1 - slowest_chip_factor(16384, 0.045) == pytest.approx(0.045 / RANGE_OF_EIGHT * 3.9, rel=0.02)
+    sizes = [2, 8, 64, 512, 4096, 16384]
+    assert all(slowest_chip_factor(a, 0.045) > slowest_chip_factor(b, 0.045) for a, b in zip(sizes, sizes[1:]))
+
+    cfg = compose("model=llama3_8b", "cluster=h100_cluster", "cluster.nodes=1", "parallel.tp=8", "train.global_batch=8")
+    layout = resolve(cfg)
+    identical = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, gemm_chip_spread=0.0))
+    slow, same = estimate_step(cfg, layout).compute, estimate_step(identical, layout).compute
+    assert 1 < slow / same < 1 / slowest_chip_factor(8, cfg.cluster.gemm_chip_spread) + 1e-9
+
+
+def test_interleaved_pipeline_hides_its_steady_state_sends_under_the_chunks(compose):
+    """GPU interleaving overlaps its point-to-point sends with the next chunk (megatron-core
+    overlap_p2p_comm, emitted with vpp>1 on GPUs as Megatron-LM's default): only the first stage's
+    2(pp-1) + (vpp-1)pp warm-up chunks (and as many flush chunks) wait on theirs; the rest cost
+    OVERLAP_INTERFERENCE of their time. Left exposed, NeMo's vpp 5-12 H100 runs were 4-9% slow; a
+    defect that drops the warm-up share (10 of 32 chunks here) moves pp_comm by 30%."""
+    from toolkit.plan.perf import OVERLAP_INTERFERENCE, estimate_step
+
+    def pp_comm(vpp, cluster="h100_cluster"):
+        cfg = compose(
+            "model=llama3_70b", f"cluster={cluster}", "parallel.tp=8", "parallel.pp=4", f"parallel.vpp={vpp}",
+            "parallel.sequence_parallel=true", "train.global_batch=64", "train.micro_batch=2",
+        )  # fmt: skip
+        layout = resolve(cfg)
+        return estimate_step(cfg, layout).pp_comm, layout
+
+    waited, layout = pp_comm(1)
+    interleaved, layout = pp_comm(2)
+    assert layout.num_microbatches == 16 and layout.vpp == 2
+    raw = waited * 2  # twice the chunks: twice the sends, each the same size
+    warmup = (2 * (4 - 1) + (2 - 1) * 4) / (16 * 2)
+    assert interleaved == pytest.approx(raw * warmup + raw * (1 - warmup) * OVERLAP_INTERFERENCE, rel=1e-9)
 
 
 def test_tensor_parallel_overlap_hides_the_collectives_under_the_gemms_up_to_their_time(compose):

@@ -433,6 +433,10 @@ class ClusterConfig:
     # Fraction of peak a large, well-shaped GEMM sustains in training (a matmul benchmark that holds
     # the GPU at its power limit, below the boost clock a short burst reaches).
     gemm_efficiency: float = 0.8
+    # How far the sustained GEMM rate of the GPUs of one node spreads, fastest to slowest, as a
+    # fraction of it: chips of one model differ, and a synchronous step waits on the slowest GPU
+    # of the whole job (toolkit.plan.perf.slowest_chip_factor). 0: identical chips.
+    gemm_chip_spread: float = 0.0
     # A GEMM dimension at which a kernel reaches half its large-shape efficiency (the saturation
     # curve `parakit probe` fits on CPU; on GPUs it shapes only flash attention's head dimension
     # and block, their GEMMs follow tile and wave quantization instead, see sm_count).

@@ -37,8 +37,12 @@ def _model_parallel(cfg: Config, layout: Layout) -> dict:
         # The fused wgrad accumulation is a CUDA kernel from Transformer Engine/apex.
         "gradient_accumulation_fusion": False,
         # gloo pairs batched isend/irecv wrongly when the previous and next stage are the same
-        # peer (pp=2 with vpp): silent ~1e-3 loss errors. Send one at a time on CPU.
-        "batch_p2p_comm": not on_cpu,
+        # peer (pp=2 with vpp): silent ~1e-3 loss errors. Send one at a time on CPU. On GPUs the
+        # interleaved schedule posts each chunk's sends before computing the next chunk, as
+        # Megatron-LM does by default (megatron/training/arguments.py: --no-overlap-p2p-communication
+        # turns it off, and it is off without interleaving); batched sends cannot overlap.
+        "overlap_p2p_comm": not on_cpu and layout.vpp > 1,
+        "batch_p2p_comm": not on_cpu and layout.vpp == 1,
         "deallocate_pipeline_outputs": True,
     }
 

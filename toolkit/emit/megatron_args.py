@@ -68,6 +68,8 @@ def megatron_args(cfg: Config, layout: Layout, sections: dict) -> list[str]:
     args += [f"--tensor-model-parallel-size {layout.tp}", f"--pipeline-model-parallel-size {layout.pp}"]
     if layout.vpp > 1:
         args.append(f"--num-virtual-stages-per-pipeline-rank {layout.vpp}")
+        if not mp["overlap_p2p_comm"]:  # Megatron-LM overlaps the interleaved sends by default
+            args.append("--no-overlap-p2p-communication")
     if tr["num_layers_in_first_pipeline_stage"] is not None:
         args.append(f"--decoder-first-pipeline-num-layers {tr['num_layers_in_first_pipeline_stage']}")
     if tr["num_layers_in_last_pipeline_stage"] is not None:

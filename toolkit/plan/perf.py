@@ -25,6 +25,7 @@ from __future__ import annotations
 import functools
 import math
 import os
+import statistics
 from dataclasses import dataclass
 
 from toolkit.config.schema import Config
@@ -87,6 +88,25 @@ def wave_efficiency(m: float, n: float, sms: int) -> float:
         waves = math.ceil(math.ceil(m / tm) * math.ceil(n / tn) / sms)
         best = max(best, m * n / (waves * sms * tm * tn))
     return best
+
+
+# Expected range of 8 samples of a standard normal distribution (Tippett 1925, "On the extreme
+# individuals and the range of samples taken from a normal population"; the d2 constant of
+# control charts, ASTM E2587): turns the spread of one node's 8 GPUs into their standard deviation.
+RANGE_OF_EIGHT = 2.847
+
+
+def slowest_chip_factor(gpus: int, spread: float) -> float:
+    """Expected speed of the slowest of `gpus` chips, relative to their mean, where one node's 8
+    chips spread over `spread` (a fraction of the mean), chip speeds taken as normal: the expected
+    extreme of n normal samples is about inv_cdf((n - 0.375) / (n + 0.25)) standard deviations
+    (Blom 1958, "Statistical Estimates and Transformed Beta-Variables"). A synchronous step waits
+    on its slowest GPU, so a 16,384-GPU job runs about 3.9 deviations below the mean and one node
+    1.4."""
+    if gpus <= 1 or spread <= 0:
+        return 1.0
+    extreme = statistics.NormalDist().inv_cdf((gpus - 0.375) / (gpus + 0.25))
+    return 1.0 - spread / RANGE_OF_EIGHT * extreme
 
 
 def gemm_time(c, m: float, n: float, k: float, flops_per_s: float, out_bytes: int) -> float:
@@ -245,8 +265,9 @@ def estimate_step(cfg: Config, layout: Layout, backend: Backend | None = None) -
     backend = backend or backend_of(cfg)
     tp, pp, vpp, cp, dp = layout.tp, layout.pp, layout.vpp, layout.cp, layout.dp
     nbytes = DTYPE_BYTES[cfg.precision.dtype]
-    peak = peak_flops(cfg) * c.gemm_efficiency * (FP8_GEMM_FRACTION if cfg.precision.dtype == "fp8" else 1.0)
-    core_peak = (peak_flops(cfg) if cfg.precision.dtype != "fp8" else c.peak_tflops_bf16 * 1e12) * c.gemm_efficiency
+    efficiency = c.gemm_efficiency * slowest_chip_factor(layout.world_size, c.gemm_chip_spread)
+    peak = peak_flops(cfg) * efficiency * (FP8_GEMM_FRACTION if cfg.precision.dtype == "fp8" else 1.0)
+    core_peak = (peak_flops(cfg) if cfg.precision.dtype != "fp8" else c.peak_tflops_bf16 * 1e12) * efficiency
     hbm = c.hbm_bandwidth_gbs * 1e9
     seq = layout.seq_length
     tokens = layout.micro_batch * seq // cp  # tokens per micro-batch on one GPU
@@ -346,6 +367,14 @@ def estimate_step(cfg: Config, layout: Layout, backend: Backend | None = None) -
         pp_bw = c.inter_node_bandwidth_gbs if _spans_nodes(cfg, pp, tp * cp * dp) else c.intra_node_bandwidth_gbs
         sent = tokens // (tp if p.sequence_parallel else 1) * h * nbytes
         pp_comm = num_mb * vpp * 2 * _p2p_time(cfg, sent, pp_bw)
+        if vpp > 1 and c.device == "cuda":  # megatron-core overlap_p2p_comm (toolkit.emit.megatron)
+            # Sends of the steady state wait under the next chunk's compute; those of the warm-up
+            # and the flush wait alone (overlap_p2p_comm_warmup_flush off). The first stage warms
+            # up the most chunks: 2 (pp - 1) + (vpp - 1) pp (megatron-core pipeline_parallel/
+            # schedules.py, get_pp_rank_microbatches).
+            chunks = num_mb * vpp
+            exposed = pp_comm * min(1.0, (2 * (pp - 1) + (vpp - 1) * pp) / chunks)
+            pp_comm = exposed + _overlapped(pp_comm - exposed, compute)
 
     # --- data-parallel gradient (and parameter) communication
     shard = dp * cp
