@@ -49,5 +49,3 @@ if ! python -c "import torch, sys; sys.exit(0 if torch.cuda.is_available() else 
   export DS_ACCELERATOR="${DS_ACCELERATOR:-cpu}"
 fi
 export TORCH_EXTENSIONS_DIR="${TORCH_EXTENSIONS_DIR:-$ROOT/.cache/torch_extensions}"
-# The planner's measurement of this machine (`parakit probe`), kept with the checkout.
-export PARAKIT_CACHE_DIR="${PARAKIT_CACHE_DIR:-$ROOT/.cache/parakit}"

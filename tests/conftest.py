@@ -9,8 +9,6 @@ from pathlib import Path
 import pytest
 
 os.environ.setdefault("DS_ACCELERATOR", "cpu")  # DeepSpeed: no GPU probing in tests
-# the machine probe's cache (scripts/setup.sh sets the same): kept with the checkout
-os.environ.setdefault("PARAKIT_CACHE_DIR", str(Path(__file__).parents[1] / ".cache" / "parakit"))
 warnings.filterwarnings("ignore", message=".*Transformer Engine and Apex are not installed.*")
 warnings.filterwarnings("ignore", message=".*absl.logging is not installed.*")
 

@@ -3,8 +3,8 @@
 conf/cluster/cpu.yaml writes its constants as `${probed:FIELD,GUESS}`: FIELD of this machine's
 probe (`parakit probe`; toolkit/train/machine_probe.py measures, toolkit/plan/machine_fit.py
 fits), or GUESS with PARAKIT_PROBE=0. The probe runs once per machine, the first time a CPU
-cluster is composed, and is cached under $PARAKIT_CACHE_DIR (default ~/.cache/parakit) in a file
-named by the machine's fingerprint (processor, cores, the torch, megatron-core and DeepSpeed
+cluster is composed, and is cached under $PARAKIT_CACHE_DIR (default: probe/ in
+toolkit.config.cache.cache_root()) in a file named by the machine's fingerprint (processor, cores, the torch, megatron-core and DeepSpeed
 versions, the probe's own version): another machine, or a new torch, probes again.
 
 A run directory's config.yaml holds the resolved numbers, so a run is planned and reported with
@@ -25,6 +25,8 @@ import sys
 import tempfile
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
+
+from toolkit.config.cache import cache_root
 
 PROBE_VERSION = 6  # bumped when what the probe measures or fits changes: caches probe again
 CACHE_ENV = "PARAKIT_CACHE_DIR"
@@ -76,7 +78,9 @@ def fingerprint() -> dict:
 
 
 def cache_dir() -> Path:
-    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "parakit")
+    """$PARAKIT_CACHE_DIR, else probe/ under parakit's cache (the checkout's .cache/ when run from
+    one): the main job, a shell that only activated the venv and the tests find the same probe."""
+    return Path(os.environ.get(CACHE_ENV) or cache_root() / "probe")
 
 
 def cache_path(print_: dict | None = None) -> Path:

@@ -19,17 +19,9 @@ import shutil
 import threading
 from pathlib import Path
 
+from toolkit.config.cache import cache_root
 
-def _default_cache() -> Path:
-    """A checkout's ignored .cache/ when parakit runs from one; else the user's cache directory
-    (an installed package must not write into site-packages)."""
-    checkout = Path(__file__).resolve().parents[2]
-    if (checkout / "pyproject.toml").is_file():
-        return checkout / ".cache"
-    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "parakit"
-
-
-CACHE = Path(os.environ.get("PARAKIT_CACHE", _default_cache()))
+CACHE = Path(os.environ.get("PARAKIT_CACHE") or cache_root())
 CORPUS_NAME = "kjv_gpt2"
 
 
