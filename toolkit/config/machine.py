@@ -4,8 +4,9 @@ conf/cluster/cpu.yaml writes its constants as `${probed:FIELD,GUESS}`: FIELD of 
 probe (`parakit probe`; toolkit/train/machine_probe.py measures, toolkit/plan/machine_fit.py
 fits), or GUESS with PARAKIT_PROBE=0. The probe runs once per machine, the first time a CPU
 cluster is composed, and is cached under $PARAKIT_CACHE_DIR (default: probe/ in
-toolkit.config.cache.cache_root()) in a file named by the machine's fingerprint (processor, cores, the torch, megatron-core and DeepSpeed
-versions, the probe's own version): another machine, or a new torch, probes again.
+toolkit.config.cache.cache_root()) in a file named by the machine's fingerprint (processor, cores,
+the torch, megatron-core and DeepSpeed versions, the probe's own version): another machine, or a
+new torch, probes again.
 
 A run directory's config.yaml holds the resolved numbers, so a run is planned and reported with
 the constants it was trained with, wherever it is read later.
