@@ -425,7 +425,9 @@ class ClusterConfig:
     # Point-to-point sends (pipeline activations): latency, and bandwidth (null: the link's).
     p2p_latency_s: float = 20e-6
     p2p_bandwidth_gbs: Optional[float] = None
-    hbm_bandwidth_gbs: float = 20.0  # device memory bandwidth (memory-bound ops)
+    # Device memory bandwidth that memory-bound work reaches (STREAM's triad, measured; the
+    # datasheet figure is the pins' rate, 83-89% of which a kernel streams on A100-H200).
+    hbm_bandwidth_gbs: float = 20.0
     # How fast a new large tensor is first written where the allocator maps fresh pages for it
     # (CPU: glibc maps tensors over 32 MiB afresh, and each page faults in); null: allocations
     # reuse memory (the GPU caching allocator).
