@@ -70,7 +70,8 @@ def main() -> int:
     opts = parser.parse_args()
 
     from toolkit.config import machine
-    from toolkit.plan.calibrate import calibrate, load_points
+    from toolkit.plan.calibrate import calibrate
+    from toolkit.report.calibrate import load_points
 
     speeds = {"start": machine_speed()}
     probe = machine.run_probe(force=opts.force_probe)

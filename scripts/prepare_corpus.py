@@ -4,7 +4,7 @@ indexed dataset, once. `parakit train data=corpus` calls this itself; run it alo
     python scripts/prepare_corpus.py
 """
 
-from toolkit.train.corpus import prepare_corpus
+from toolkit.data.corpus import prepare_corpus
 
 
 def main() -> None:

@@ -8,7 +8,7 @@ import importlib.util
 import json
 from pathlib import Path
 
-from toolkit.train.corpus import kjv_chapters
+from toolkit.data.corpus import kjv_chapters
 
 RESERVED, LEARNED = 64_000, 12_000
 

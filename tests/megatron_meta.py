@@ -14,12 +14,13 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from toolkit.emit.megatron import megatron_sections
 from toolkit.plan.layout import resolve
-from toolkit.train import mcore_cpu
 
 
 @contextmanager
 def fake_rank(rank: int, world: int, tp: int, pp: int, vpp: int):
-    mcore_cpu.import_shims()
+    from toolkit.compat import import_shims
+
+    import_shims()
     from megatron.core import parallel_state
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)

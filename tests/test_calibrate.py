@@ -14,8 +14,9 @@ from training_runs import python
 
 from toolkit.config import machine
 from toolkit.emit.files import write_run_files
-from toolkit.plan.calibrate import CONSTANTS, calibrate, fit, load_points, predict
+from toolkit.plan.calibrate import CONSTANTS, calibrate, fit, predict
 from toolkit.plan.layout import resolve
+from toolkit.report.calibrate import load_points
 
 # What tiny-model CPU sweeps look like: overheads of the order of the compute
 TRUTH = {"gemm_efficiency": 0.8, "intra_node_bandwidth_gbs": 2.0, "step_overhead_s": 0.1, "layer_overhead_s": 0.01}

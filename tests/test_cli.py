@@ -15,8 +15,8 @@ from upstream import deepspeed_accepts, megatron_accepts
 
 from toolkit.config.schema import Config
 from toolkit.config.store import conf_dir
-from toolkit.data.manifest import Manifest, manifest_path
 from toolkit.emit.files import GENERATED
+from toolkit.formats.manifest import Manifest, manifest_path
 
 FLAGS = {
     line

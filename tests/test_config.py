@@ -147,9 +147,9 @@ def test_precision_follows_the_cluster_unless_given(compose, overrides, dtype):
 
 
 def test_written_config_holds_the_concrete_precision(compose, tmp_path):
+    from toolkit.config.store import load_run_config
     from toolkit.emit.files import resolved_config, write_run_files
     from toolkit.plan.layout import resolve
-    from toolkit.train.trainer import load_run_config
 
     cfg = compose("cluster=8xh100", "recompute=selective")
     write_run_files(cfg, resolve(cfg), tmp_path)

@@ -192,10 +192,11 @@ def test_tp_comm_overlap_sets_up_te_userbuffers_for_one_micro_batch_of_this_cp_r
 def test_the_megatron_trainer_sets_up_the_userbuffers_before_it_builds_the_model(compose, monkeypatch, overlap):
     """TE's layers look their userbuffers up when they run: MegatronSteps makes them first, and only
     for parallel.tp_comm_overlap (the distributed start-up and the model are spied on here)."""
+    from toolkit.compat import import_shims
     from toolkit.plan.layout import resolve
-    from toolkit.train import mcore_cpu, megatron_backend, megatron_model
+    from toolkit.train import megatron_backend, megatron_model
 
-    mcore_cpu.import_shims()  # megatron-core without triton
+    import_shims()  # megatron-core without triton
     from megatron.core import parallel_state
 
     events = []

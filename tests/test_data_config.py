@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from toolkit.data.manifest import Manifest, manifest_path, parse_blend
 from toolkit.emit.files import render
+from toolkit.formats.manifest import Manifest, manifest_path, parse_blend
 from toolkit.plan.layout import resolve
 from toolkit.plan.validate import validate
 
@@ -112,7 +112,8 @@ def test_blend_and_split_reach_the_datasets(tmp_path, compose, one_process_group
     """Two prepared prefixes blended 3:1 feed the training samples in that proportion, and the
     validation samples come from other documents than the training ones (data.split honoured)."""
     from toolkit.cli import main
-    from toolkit.train import corpus
+    from toolkit.data import corpus
+    from toolkit.data.bundled import load_tokenizer
     from toolkit.train.data import build_datasets
 
     monkeypatch.setattr(corpus, "CACHE", tmp_path / "cache")  # the sample index cache
@@ -123,7 +124,7 @@ def test_blend_and_split_reach_the_datasets(tmp_path, compose, one_process_group
     blend = f"data.path='3 {tmp_path / 'left'} 1 {tmp_path / 'right'}'"
     cfg = compose(blend, "model.seq_length=8", "train.steps=25", "train.eval_interval=5", "data.split='90,10,0'")
     data = build_datasets(cfg, resolve(cfg))
-    alpha, omega = (corpus.load_tokenizer()(" " + w)["input_ids"][0] for w in ("alpha", "omega"))
+    alpha, omega = (load_tokenizer()(" " + w)["input_ids"][0] for w in ("alpha", "omega"))
     left = sum(alpha in data.train[i]["tokens"].tolist() for i in range(400))
     right = sum(omega in data.train[i]["tokens"].tolist() for i in range(400))
     assert 0.65 < left / (left + right) < 0.85, (left, right)

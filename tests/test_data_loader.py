@@ -90,8 +90,8 @@ def test_multi_node_corpus_preparers_sharing_a_cache_write_it_once(tmp_path, mon
     import threading
     import time
 
-    from toolkit.data.manifest import manifest_path
-    from toolkit.train import corpus
+    from toolkit.data import corpus
+    from toolkit.formats.manifest import manifest_path
 
     monkeypatch.setattr(corpus, "CACHE", tmp_path)
     writes = []

@@ -13,8 +13,8 @@ import pytest
 from transformers import AutoTokenizer
 
 from toolkit.cli import main
-from toolkit.data.manifest import read_manifest
-from toolkit.train.mcore_cpu import import_shims
+from toolkit.compat import import_shims
+from toolkit.formats.manifest import read_manifest
 
 import_shims()
 from megatron.core.datasets.indexed_dataset import IndexedDataset  # noqa: E402

@@ -193,12 +193,12 @@ def test_export_is_listed_and_a_bad_option_exits_2(capsys):
 def test_the_tokenizer_is_the_one_the_training_data_names(tmp_path, compose):
     """A prepared prefix's PREFIX.tokenizer/ (its manifest says so); the bundled GPT-2 BPE for the
     bundled corpus; a tokenizer larger than the model's vocabulary is refused."""
-    from toolkit.data.manifest import Manifest, manifest_path, tokenizer_dir
+    from toolkit.data import bundled as bundled_files
+    from toolkit.formats.manifest import Manifest, manifest_path, tokenizer_dir
     from toolkit.interop.export import ExportError, load_tokenizer
-    from toolkit.train import corpus
 
     prefix = tmp_path / "web_text_document"
-    bundled = corpus.load_tokenizer()
+    bundled = bundled_files.load_tokenizer()
     bundled.add_tokens(["<|new|>"])  # 50,258 tokens: tells this tokenizer from the bundled one
     bundled.save_pretrained(tokenizer_dir(prefix))
     Manifest("web", "GPT2TokenizerFast", 50258, 50256, "uint16", 1, 10).write(manifest_path(prefix))

@@ -18,7 +18,7 @@ import pytest
 from training_runs import processes_naming, python
 
 from toolkit.config.store import compose_config
-from toolkit.interop.hf_arch import HfConfigError, check_matches
+from toolkit.formats.hf_arch import HfConfigError, check_matches
 
 TESTS = Path(__file__).parent
 QWEN2_CONFIG = TESTS / "data" / "hf_qwen2"  # a config.json only

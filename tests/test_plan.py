@@ -94,11 +94,11 @@ def test_pipeline_sends_the_tensor_megatron_core_sends(compose, sequence_paralle
     looked slower than they are."""
     from types import SimpleNamespace
 
+    from toolkit.compat import import_shims
     from toolkit.plan.memory import DTYPE_BYTES
     from toolkit.plan.perf import _p2p_time, estimate_step
-    from toolkit.train import mcore_cpu
 
-    mcore_cpu.import_shims()  # megatron-core without triton
+    import_shims()  # megatron-core without triton
     from megatron.core.pipeline_parallel.schedules import get_tensor_shapes
 
     cfg = compose(
@@ -356,8 +356,8 @@ def test_the_predicted_scaling_curve_doubles_the_gpus_and_judges_each_doubling(c
     """plan --scaling: weak scaling grows the global batch with the GPUs (the batch per GPU stays),
     strong keeps it; each size's row is the search's best layout at that size; the gain of a
     doubling is tokens/s over tokens/s, and a curve whose doublings all gain 2x has no verdict."""
+    from toolkit.plan.doublings import doublings, first_below
     from toolkit.plan.scaling import predicted_curve
-    from toolkit.report.scaling import doublings, first_below
 
     cfg = compose("model=llama3_8b", "cluster=h100_cluster", "cluster.nodes=1", "train.global_batch=64")
     weak = predicted_curve(cfg, 8, 32, "weak")

@@ -9,10 +9,10 @@ import pytest
 from PIL import Image
 
 from toolkit.cli import main
+from toolkit.plan.doublings import Doubling, doublings, first_below
 from toolkit.report.load import load
 from toolkit.report.page import scaling_summary
 from toolkit.report.plots import curves, per_doubling
-from toolkit.report.scaling import Doubling, doublings, first_below
 
 ALL_PLOTS = ("throughput", "efficiency", "predicted_vs_measured", "loss", "stage_times")
 

@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from toolkit.plan import doublings as scaling
 from toolkit.plan.layout import resolve
 from toolkit.plan.validate import validate
-from toolkit.report import scale, scaling
+from toolkit.report import scale
 from toolkit.report.load import Point, ReportData
 from toolkit.report.page import scaling_summary
 

@@ -80,10 +80,10 @@ def check_measured_figures(row: dict, figures: dict) -> None:
     (measured 1.5-3x slower here)."""
     import statistics
 
+    from toolkit.config.store import load_run_config
     from toolkit.plan.layout import resolve
     from toolkit.plan.perf import estimate_step
     from toolkit.report.sweep import read_metrics
-    from toolkit.train.trainer import load_run_config
 
     run_dir = Path(row["run_dir"])
     records = [r for r in read_metrics(run_dir) if "loss" in r]
@@ -206,7 +206,8 @@ def test_calibrate_lowers_the_held_out_error_of_the_real_sweep(swept):
 
     from test_calibrate import check_held_out
 
-    from toolkit.plan.calibrate import CONSTANTS, calibrate, load_points
+    from toolkit.plan.calibrate import CONSTANTS, calibrate
+    from toolkit.report.calibrate import load_points
 
     points = load_points(swept[0])
     calibration = calibrate(points)
@@ -321,11 +322,10 @@ def check_measured_plan(table: str, directory: Path) -> None:
     tokens/s it shows, every planned layout trained (not the user's layout twice), the lines are
     in descending measured order and the predicted figure is the planner's for that layout
     (within 0.5%: the table rounds to whole tokens/s; a swapped line is 2x off)."""
-    from toolkit.config.store import compose_config
+    from toolkit.config.store import compose_config, load_run_config
     from toolkit.plan.layout import resolve
     from toolkit.plan.search import Candidate, search
     from toolkit.report.measure import layout_label
-    from toolkit.train.trainer import load_run_config
 
     planned = search(compose_config([o for o in MEASURE_COMMON if "=" in o and not o.startswith("-")])).ranked[:2]
     lines = [m for m in map(LAYOUT_LINE.match, table.splitlines()) if m]

@@ -77,7 +77,7 @@ def _data_line(cfg) -> str:
     data = cfg.data
     name = getattr(data.name, "value", data.name)  # an Enum once the schema types it
     if data.path:
-        from toolkit.data.manifest import describe
+        from toolkit.formats.manifest import describe
 
         return f"data: {name} ({describe(data.path, data.tokenizer)})"
     return f"data: {name} ({DATA_DESCRIPTIONS.get(name, 'see conf/data')})"
@@ -201,7 +201,7 @@ def _data_bench(cfg, opts) -> int:
     layout, _ = _checked_layout("data bench", cfg)
     if layout is None:
         return 2
-    from toolkit.data.bench import HEADROOM, bench_loader
+    from toolkit.train.loader_bench import HEADROOM, bench_loader
     from toolkit.train.trainer import quiet_upstream_notices
 
     quiet_upstream_notices()
@@ -211,7 +211,7 @@ def _data_bench(cfg, opts) -> int:
 
 
 def _convert(cfg, opts) -> int:
-    from toolkit.interop.hf_arch import HfConfigError
+    from toolkit.formats.hf_arch import HfConfigError
     from toolkit.train.hf_convert import convert_hf_to_megatron
     from toolkit.train.trainer import quiet_upstream_notices
 
@@ -302,7 +302,7 @@ def _probe(cfg, opts) -> int:
 
 
 def _calibrate(cfg, opts) -> int:
-    from toolkit.plan.calibrate import run_calibrate
+    from toolkit.report.calibrate import run_calibrate
 
     return run_calibrate(opts)
 
@@ -647,7 +647,7 @@ def _run_hydra_app(command: Command, opts: argparse.Namespace, args: list[str]) 
     import hydra
 
     from toolkit.config.store import hydra_overrides, register_schema, search_path, to_config
-    from toolkit.interop.hf_arch import HfConfigError
+    from toolkit.formats.hf_arch import HfConfigError
 
     dirs = search_path(opts.config_dir)
     overrides = hydra_overrides([*(command.compose_with(opts) if command.compose_with else []), *args], dirs)

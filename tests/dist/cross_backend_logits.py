@@ -41,7 +41,7 @@ def main():
 
     from toolkit.emit.megatron import megatron_sections
     from toolkit.plan.layout import resolve
-    from toolkit.train.trainer import load_run_config
+    from toolkit.config.store import load_run_config
     from toolkit.train.data import SyntheticTokens
     from toolkit.train.megatron_model import build_model_chunks
 

@@ -36,7 +36,7 @@ def main():
     from toolkit.plan.layout import resolve
     from toolkit.train.data import build_datasets, micro_batches
     from toolkit.train.deepspeed_engine import token_loss
-    from toolkit.train.trainer import load_run_config
+    from toolkit.config.store import load_run_config
 
     run_dir, hf_dir, step = Path(sys.argv[1]), sys.argv[2], int(sys.argv[3])
     model, info = AutoModelForCausalLM.from_pretrained(hf_dir, output_loading_info=True)

@@ -16,7 +16,9 @@ from toolkit.train import mcore_cpu
 
 
 def main():
-    mcore_cpu.import_shims()
+    from toolkit.compat import import_shims
+
+    import_shims()
     from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
     from toolkit.config.store import compose_config

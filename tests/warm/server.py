@@ -233,9 +233,10 @@ def _receive(conn: socket.socket) -> tuple[dict, list[int]]:
 def _preload() -> None:
     """Import as a CPU rank does (megatron-core without triton, and without torch.compile where
     parakit imports it so), then forget parakit's own modules: each rank imports them afresh."""
-    from toolkit.train import eager_imports, mcore_cpu
+    from toolkit.compat import import_shims
+    from toolkit.train import eager_imports
 
-    mcore_cpu.import_shims()
+    import_shims()
     eager_imports.import_without_compiling("megatron.core")
     for name in PRELOAD:
         __import__(name)

@@ -14,3 +14,9 @@ def cache_root() -> Path:
     if (checkout / "pyproject.toml").is_file():
         return checkout / ".cache"
     return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "parakit"
+
+
+def data_cache() -> Path:
+    """The prepared corpus, the bundled tokenizer's files and the sample indices: $PARAKIT_CACHE, else
+    cache_root()."""
+    return Path(os.environ.get("PARAKIT_CACHE") or cache_root())

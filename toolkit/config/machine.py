@@ -138,18 +138,3 @@ def probed(name: str, guess=None):
     if name not in constants:
         raise ProbeError(f"${{probed:{name}}}: the probe measures no {name}; it gives {', '.join(sorted(constants))}")
     return constants[name]
-
-
-def cluster_file(name: str) -> str:
-    """The default CPU cluster with this machine's measured constants, as a config-group file
-    (`cluster=NAME` with --config-dir), its provenance in comments."""
-    import dataclasses
-
-    from omegaconf import OmegaConf
-
-    from toolkit.config.store import compose_config
-
-    cluster = dataclasses.replace(compose_config(["cluster=cpu"]).cluster, name=name)
-    machine = ", ".join(f"{k} {v}" for k, v in fingerprint().items())
-    header = f"# {name}: this machine measured by `parakit probe` ({machine})\n"
-    return header + OmegaConf.to_yaml(OmegaConf.structured(cluster))

@@ -30,7 +30,7 @@ from omegaconf.errors import InterpolationResolutionError
 
 from toolkit.config import machine
 from toolkit.config.schema import Config, StackCosts
-from toolkit.interop import hf_arch
+from toolkit.formats import hf_arch
 
 SCHEMA_NAME = "parakit_schema"
 CONFIG_PATH_ENV = "PARAKIT_CONFIG_PATH"

@@ -22,8 +22,8 @@ from typing import Iterable, Iterator
 
 import numpy as np
 
-from toolkit.data.manifest import Manifest, SourceFile, manifest_path, tokenizer_dir
 from toolkit.data.sources import BadInput, Tally, check_inputs, read_documents
+from toolkit.formats.manifest import Manifest, SourceFile, manifest_path, tokenizer_dir
 
 BUNDLED = "gpt2"  # the GPT-2 BPE files that ship with parakit's dependencies
 CHUNK = 64  # documents per task sent to a worker
@@ -32,7 +32,7 @@ CHUNK = 64  # documents per task sent to a worker
 def load_tokenizer(spec: str):
     """The bundled GPT-2 BPE by name, or a Hugging Face tokenizer directory (read locally only)."""
     if spec == BUNDLED:
-        from toolkit.train.corpus import load_tokenizer as bundled
+        from toolkit.data.bundled import load_tokenizer as bundled
 
         return bundled()
     path = Path(spec)
@@ -130,9 +130,9 @@ def write_dataset(
 ) -> tuple[Manifest, Throughput]:
     """Tokenize `documents` into OUTPUT.{bin,idx,tokenizer/,manifest.json}, atomically."""
 
-    from toolkit.train import mcore_cpu
+    from toolkit.compat import import_shims
 
-    mcore_cpu.import_shims()
+    import_shims()
     from megatron.core.datasets.indexed_dataset import DType, IndexedDataset, IndexedDatasetBuilder
 
     output = Path(output)

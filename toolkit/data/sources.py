@@ -13,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Iterator
 
-from toolkit.data.manifest import SourceFile
+from toolkit.formats.manifest import SourceFile
 
 FORMATS = {".jsonl": "jsonl", ".json": "jsonl", ".txt": "text", ".text": "text", ".parquet": "parquet"}
 

@@ -4,8 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
-import tempfile
 from pathlib import Path
 
 import yaml
@@ -15,6 +13,7 @@ from toolkit.emit.deepspeed import deepspeed_config
 from toolkit.emit.launch import launch_script
 from toolkit.emit.megatron import megatron_sections
 from toolkit.emit.megatron_args import megatron_args
+from toolkit.formats.atomic import write_atomic
 from toolkit.plan.layout import Layout
 
 GENERATED = ("config.yaml", "deepspeed.json", "megatron.yaml", "megatron_args.txt", "launch.sh")
@@ -40,21 +39,6 @@ def render(cfg: Config, layout: Layout) -> dict[str, str]:
         "megatron_args.txt": "\n".join(megatron_args(cfg, layout, sections)) + "\n",
         "launch.sh": launch_script(cfg, layout),
     }
-
-
-def write_atomic(path: Path, text: str, mode: int = 0o644) -> None:
-    """Write to a temporary file beside `path`, then rename: readers never see half a file."""
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.chmod(tmp, mode)
-        os.replace(tmp, path)
-    except BaseException:
-        os.unlink(tmp)
-        raise
 
 
 def write_run_files(cfg: Config, layout: Layout, out_dir: Path) -> list[Path]:

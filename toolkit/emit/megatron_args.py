@@ -7,7 +7,7 @@ Built from the same sections as megatron.yaml, so the two cannot disagree.
 from __future__ import annotations
 
 from toolkit.config.schema import Config
-from toolkit.data.manifest import parse_blend, read_manifest, tokenizer_dir
+from toolkit.formats.manifest import parse_blend, read_manifest, tokenizer_dir
 from toolkit.plan.layout import Layout
 
 

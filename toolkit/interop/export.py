@@ -107,8 +107,8 @@ def _step_directory(path: Path, root: Path, step: int | None) -> Path:
 
 def locate(path: Path, step: int | None = None, config: Path | None = None) -> Checkpoint:
     """The checkpoint that `parakit export PATH [--step N] [--config FILE]` means."""
+    from toolkit.config.store import load_run_config
     from toolkit.train.loop import checkpoint_root
-    from toolkit.train.trainer import load_run_config
 
     path = path.resolve()
     if not path.exists():
@@ -144,8 +144,8 @@ def load_tokenizer(cfg: Config, given: Path | None):
     the bundled corpus or a prefix without a manifest)."""
     from transformers import AutoTokenizer
 
-    from toolkit.data.manifest import parse_blend, read_manifest, tokenizer_dir
-    from toolkit.train import corpus
+    from toolkit.data import bundled as bundled_files
+    from toolkit.formats.manifest import parse_blend, read_manifest, tokenizer_dir
 
     source, origin, bundled = given, "--tokenizer", False
     if given is None:
@@ -153,14 +153,14 @@ def load_tokenizer(cfg: Config, given: Path | None):
         if prefix and read_manifest(prefix):  # the validator checked that every part of a blend agrees
             source, origin = tokenizer_dir(prefix), f"the manifest of data.path prefix {prefix}"
         else:
-            source, origin, bundled = corpus.gpt2_tokenizer_dir(), f"data.tokenizer={cfg.data.tokenizer}", True
+            source, origin, bundled = bundled_files.gpt2_tokenizer_dir(), f"data.tokenizer={cfg.data.tokenizer}", True
     if not Path(source).is_dir():
         raise ExportError(
             f"tokenizer directory {source} (from {origin}) does not exist: pass --tokenizer DIR or --no-tokenizer"
         )
     try:
         # The bundled files carry no tokenizer class: the corpus module knows it.
-        tokenizer = corpus.load_tokenizer() if bundled else AutoTokenizer.from_pretrained(str(source))
+        tokenizer = bundled_files.load_tokenizer() if bundled else AutoTokenizer.from_pretrained(str(source))
     except Exception as error:
         raise ExportError(f"cannot load the tokenizer in {source} (from {origin}): {error}") from None
     if len(tokenizer) > cfg.model.vocab_size:

@@ -72,8 +72,8 @@ def hf_config(m: ModelConfig):
 
 def check_hf_matches(m: ModelConfig, path: str) -> None:
     """Refuse a Hugging Face directory whose architecture differs from the configured model
-    (read from its config.json by toolkit.interop.hf_arch, the same check as the megatron
+    (read from its config.json by toolkit.formats.hf_arch, the same check as the megatron
     backend's; transformers' own defaults such as GPT-2's n_inner=None are understood there)."""
-    from toolkit.interop.hf_arch import check_matches
+    from toolkit.formats.hf_arch import check_matches
 
     check_matches(m, path)

@@ -25,8 +25,8 @@ from __future__ import annotations
 import torch
 
 from toolkit.config.schema import ModelConfig
-from toolkit.interop.hf_arch import HfConfigError, check_matches
-from toolkit.interop.hf_files import weight_files
+from toolkit.formats.hf_arch import HfConfigError, check_matches
+from toolkit.formats.hf_files import weight_files
 from toolkit.plan.params import head_dim, kv_heads
 
 

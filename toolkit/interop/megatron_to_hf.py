@@ -29,13 +29,13 @@ def main() -> None:
     from megatron.core import dist_checkpointing, parallel_state
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+    from toolkit.config.store import load_run_config
     from toolkit.emit.megatron import megatron_sections
     from toolkit.interop.convert import megatron_to_hf
     from toolkit.interop.hf import hf_config
     from toolkit.plan.layout import resolve
     from toolkit.train.hf_convert import single_process
     from toolkit.train.megatron_model import build_model_chunks
-    from toolkit.train.trainer import load_run_config
 
     cfg = load_run_config(args.config.parent, args.config.stem)
     # One process holds the whole model: tp = pp = 1 (dist_checkpointing reshards on load).

@@ -2,8 +2,8 @@
 
 The validator, the memory and step-time models, the layout search, the emitters and the trainer's
 dispatch read these descriptions; nothing else in parakit tests a backend's name. Adding a backend
-means one description here plus one trainer module (named by `trainer`) that implements
-toolkit.train.loop's BackendSteps protocol.
+means one description here plus one trainer module that implements toolkit.train.loop's
+BackendSteps protocol, registered by the name on the train side (toolkit.train.backends).
 
 Pure Python (no torch): the planner reads it on a laptop.
 """
@@ -76,7 +76,6 @@ TRANSFORMER_ENGINE_TP_OVERLAP = Package(
 class Backend:
     name: str
     summary: str
-    trainer: str  # module holding the backend's step functions (toolkit.train.loop.BackendSteps)
     # ZeRO stages it runs, and what a stage means there.
     zero_stages: tuple[int, ...]
     zero_meaning: str
@@ -115,7 +114,7 @@ class Backend:
     # Checkpoints, weights and launch.
     checkpoint_format: str
     async_save: bool
-    # The weight formats (toolkit.interop.hf_files.FORMATS) it starts from in a Hugging Face model
+    # The weight formats (toolkit.formats.hf_files.FORMATS) it starts from in a Hugging Face model
     # directory (model.hf_path), in the order it looks for them; empty: none.
     hf_weights: tuple[str, ...]
     megatron_lm_entry: bool  # launch.sh can run Megatron-LM's pretrain_gpt.py instead of parakit's trainer
@@ -139,7 +138,6 @@ class Backend:
 MEGATRON = Backend(
     name="megatron",
     summary="megatron-core GPTModel, TP/PP/VPP/CP/SP, interleaved 1F1B, distributed optimizer",
-    trainer="toolkit.train.megatron_backend",
     zero_stages=(0, 1),
     zero_meaning="stage 1 is Megatron's distributed optimizer (optimizer state sharded over dp x cp)",
     pipeline_zero_stages=(0, 1),
@@ -183,7 +181,6 @@ MEGATRON = Backend(
 DEEPSPEED = Backend(
     name="deepspeed",
     summary="transformers models under DeepSpeed ZeRO 0-3 with offload, DeepSpeed pipeline (1F1B)",
-    trainer="toolkit.train.deepspeed_backend",
     zero_stages=(0, 1, 2, 3),
     zero_meaning="ZeRO stages 1-3 shard optimizer state, then gradients, then parameters",
     pipeline_zero_stages=(0, 1),  # DeepSpeed's PipelineEngine

@@ -1,4 +1,5 @@
-"""`parakit calibrate SWEEP_DIR`: fit the cluster's efficiency constants to a measured sweep.
+"""Fitting the cluster's efficiency constants to a measured sweep (`parakit calibrate`, whose I/O is
+toolkit.report.calibrate).
 
 The planner's step time (toolkit/plan/perf.py) depends on a handful of cluster constants: the
 fraction of peak a large GEMM reaches, the link bandwidths, the device-memory bandwidth that
@@ -18,12 +19,10 @@ from __future__ import annotations
 import dataclasses
 import math
 import statistics
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 
 from toolkit.config.schema import ClusterConfig, Config
-from toolkit.plan.layout import Layout, resolve
+from toolkit.plan.layout import Layout
 from toolkit.plan.perf import estimate_step
 
 # The constants a sweep can inform, in the order a report lists them.
@@ -73,29 +72,6 @@ class Calibration:
     @property
     def median_after(self) -> float:
         return statistics.median(map(abs, self.after))
-
-
-def load_points(sweep_dir: Path) -> list[Point]:
-    """The sweep's measured points (status ok), each with the configuration it trained."""
-    from toolkit.report.sweep import read_rows
-    from toolkit.train.trainer import load_run_config
-
-    rows = read_rows(sweep_dir)
-    if not rows:
-        raise CalibrationError(f"{sweep_dir}: no sweep.json; run `parakit sweep ... hydra.sweep.dir={sweep_dir}` first")
-    points = []
-    for row in rows:
-        if row.get("status") != "ok" or not row.get("step_time_s"):
-            continue
-        cfg = load_run_config(Path(row["run_dir"]))
-        points.append(Point(row["point"], cfg, resolve(cfg), float(row["step_time_s"])))
-    clusters = {p.cfg.cluster.name for p in points}
-    if len(clusters) > 1:
-        raise CalibrationError(
-            f"{sweep_dir}: points on clusters {sorted(clusters)}; calibrate one cluster at a time "
-            "(a sweep over one cluster option)"
-        )
-    return points
 
 
 def predict(point: Point, constants: dict[str, float]) -> float:
@@ -205,37 +181,3 @@ def cluster_yaml(calibration: Calibration, name: str) -> str:
         f"{calibration.median_before:.1%} before, {calibration.median_after:.1%} after.\n"
     )
     return header + OmegaConf.to_yaml(OmegaConf.structured(c))
-
-
-def report(calibration: Calibration) -> str:
-    before, after = calibration.datasheet, calibration.cluster
-    lines = [f"{'constant':<26}{'before':>12}{'after':>12}"]
-    lines += [f"{n:<26}{getattr(before, n):>12.4g}{getattr(after, n):>12.4g}" for n in calibration.fitted]
-    lines += ["", f"{'point':<60}{'measured s':>11}{'before':>9}{'after':>9}"]
-    for p, b, a in zip(calibration.points, calibration.before, calibration.after):
-        lines.append(f"{p.name[:59]:<60}{p.measured:>11.4f}{b:>+9.1%}{a:>+9.1%}")
-    lines += [
-        "",
-        f"median step-time error on held-out points (each predicted by a fit to the others): "
-        f"{calibration.median_before:.1%} before, {calibration.median_after:.1%} after calibration",
-    ]
-    return "\n".join(lines)
-
-
-def run_calibrate(opts) -> int:
-    from toolkit.emit.files import write_atomic
-
-    sweep_dir = Path(opts.sweep_dir)
-    try:
-        calibration = calibrate(load_points(sweep_dir))
-    except CalibrationError as e:
-        print(f"parakit calibrate: {e}", file=sys.stderr)
-        return 1
-    name = opts.name or f"{calibration.datasheet.name}_calibrated"
-    config_dir = Path(opts.output) if opts.output else sweep_dir / "calibrated"
-    target = config_dir / "cluster" / f"{name}.yaml"
-    target.parent.mkdir(parents=True, exist_ok=True)
-    write_atomic(target, cluster_yaml(calibration, name))
-    print(report(calibration))
-    print(f"\nwrote {target}\nuse it: parakit plan --config-dir {config_dir} cluster={name} ...")
-    return 0

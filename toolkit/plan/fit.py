@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 from toolkit.config.schema import Config
 from toolkit.plan.backends import backend_of
@@ -63,26 +63,24 @@ def _single_changes(cfg: Config) -> Iterator[tuple[str, Config]]:
             size *= 2
 
 
-def _fits(cfg: Config) -> float | None:
+def _fits(cfg: Config, valid: Callable[[Config], bool]) -> float | None:
     """The predicted peak bytes when `cfg` passes the other rules and fits; else None."""
-    from toolkit.plan.validate import validate
-
-    if not validate(cfg, data=False, memory=False).ok:
+    if not valid(cfg):
         return None
     peak = peak_memory(cfg, resolve(cfg)).total
     return peak if peak <= capacity_bytes(cfg) else None
 
 
-def smallest_fitting_change(cfg: Config) -> tuple[str, float] | None:
+def smallest_fitting_change(cfg: Config, valid: Callable[[Config], bool]) -> tuple[str, float] | None:
     """The first single change, else pair of changes of different kinds, that passes the other
-    rules and fits: (overrides, predicted peak bytes)."""
+    rules (`valid`: the validator without its memory rule) and fits: (overrides, predicted peak bytes)."""
     singles = list(_single_changes(cfg))
     for override, changed in singles:
-        if (peak := _fits(changed)) is not None:
+        if (peak := _fits(changed, valid)) is not None:
             return override, peak
     for first, changed in singles:
         for second, both in _single_changes(changed):
-            if second.split("=")[0] != first.split("=")[0] and (peak := _fits(both)) is not None:
+            if second.split("=")[0] != first.split("=")[0] and (peak := _fits(both, valid)) is not None:
                 return f"{first} {second}", peak
     return None
 
@@ -95,8 +93,9 @@ class MemoryProblem:
     fix: str
 
 
-def memory_problem(cfg: Config) -> MemoryProblem | None:
-    """What is wrong when the predicted peak exceeds the device; None when it fits."""
+def memory_problem(cfg: Config, valid: Callable[[Config], bool]) -> MemoryProblem | None:
+    """What is wrong when the predicted peak exceeds the device; None when it fits. `valid`: whether
+    a changed configuration passes the validator's other rules (the fix must)."""
     layout = resolve(cfg)
     memory = peak_memory(cfg, layout)
     over = memory.total / capacity_bytes(cfg)
@@ -111,7 +110,7 @@ def memory_problem(cfg: Config) -> MemoryProblem | None:
     )
     if over <= 1 + MARGIN:
         message += f"; within the estimate's {MARGIN:.0%} error, so it may still fit: measure it"
-    change = smallest_fitting_change(cfg)
+    change = smallest_fitting_change(cfg, valid)
     if change:
         fix = f"{change[0]} (predicted {change[1] / GIB:.1f} GiB)"
     else:

@@ -3,7 +3,7 @@
 At each power-of-two GPU count the cluster is resized (whole nodes of the cluster's
 gpus_per_node once past one node) and the best layout the search finds is taken; weak scaling
 grows the global batch with the GPUs (the batch per GPU stays), strong scaling keeps it. The
-gain of each doubling is judged as a measured curve is (toolkit/report/scaling.py).
+gain of each doubling is judged as a measured curve is (toolkit/plan/doublings.py).
 """
 
 from __future__ import annotations
@@ -11,9 +11,9 @@ from __future__ import annotations
 import dataclasses
 
 from toolkit.config.schema import Config
+from toolkit.plan.doublings import doublings, verdict
 from toolkit.plan.layout import world_size
 from toolkit.plan.search import search
-from toolkit.report.scaling import doublings, verdict
 
 
 def node_shape(gpus: int, gpus_per_node: int) -> tuple[int, int]:

@@ -21,8 +21,8 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from toolkit.config.schema import TOKENIZER_VOCAB, Config, DataName
-from toolkit.data.manifest import manifest_path, parse_blend, read_manifest
-from toolkit.interop import hf_arch, hf_files
+from toolkit.formats import hf_arch, hf_files
+from toolkit.formats.manifest import manifest_path, parse_blend, read_manifest
 from toolkit.plan.backends import Package, backend_of, packages_needed, supporting
 from toolkit.plan.fit import memory_problem
 from toolkit.plan.layout import (
@@ -290,7 +290,7 @@ def _hf_path(cfg: Config) -> Iterator[Violation]:
 
 
 def _hf_weights(cfg: Config) -> Iterator[Violation]:
-    """The weight files every rank opens in model.hf_path are there (toolkit.interop.hf_files: the
+    """The weight files every rank opens in model.hf_path are there (toolkit.formats.hf_files: the
     list HfTensors reads, and the names transformers' from_pretrained looks for), unless
     train.init_checkpoint replaces them (megatron_backend's setup loads one or the other)."""
     m, formats = cfg.model, backend_of(cfg).hf_weights
@@ -997,7 +997,7 @@ def _memory(cfg: Config) -> Iterator[Violation]:
     (toolkit.plan.fit names the largest term and the smallest change that fits)."""
     if cfg.checks.memory == "off":
         return
-    problem = memory_problem(cfg)
+    problem = memory_problem(cfg, lambda changed: validate(changed, data=False, memory=False).ok)
     if problem:
         severity = _err if problem.certain and cfg.checks.memory == "error" else _warn
         yield severity("memory", problem.fields, problem.message, problem.fix)

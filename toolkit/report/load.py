@@ -9,7 +9,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from toolkit.report.scaling import DEFAULT_THRESHOLD
+from toolkit.plan.doublings import DEFAULT_THRESHOLD
 from toolkit.report.sweep import _layout_fields, _predicted, measured, read_metrics, read_result
 
 # Every field that tells one layout from another, besides the world size.

@@ -13,9 +13,9 @@ from collections import Counter
 from pathlib import Path
 from typing import Callable
 
+from toolkit.plan.doublings import doublings, first_below
 from toolkit.report.load import NotAReportDir, Point, ReportData, load
 from toolkit.report.plots import Plot, curve_name, curves, draw, per_doubling, relative_error
-from toolkit.report.scaling import doublings, first_below
 
 
 def _number(value, digits: int = 3) -> str:

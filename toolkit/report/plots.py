@@ -16,8 +16,8 @@ from matplotlib.figure import Figure
 from matplotlib.lines import Line2D
 from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter, NullLocator, ScalarFormatter
 
+from toolkit.plan.doublings import Doubling, doublings, first_below
 from toolkit.report.load import LAYOUT_KEYS, Point, ReportData
-from toolkit.report.scaling import Doubling, doublings, first_below
 
 DPI = 110
 MARKERS = ("o", "s", "^", "v", "D", "x", "+", "P", "*", "<", ">")

@@ -14,8 +14,8 @@ import time
 from pathlib import Path
 
 from toolkit.config.schema import Config
+from toolkit.plan.doublings import doublings, first_below, verdict
 from toolkit.plan.scaling import node_shape, sizes
-from toolkit.report.scaling import doublings, first_below, verdict
 from toolkit.report.sweep import SweepOptions, describe_sweep, point_dir, progress_line, read_rows, run_point
 
 DIMENSIONS = ("dp", "tp", "pp")

@@ -268,7 +268,7 @@ def read_rows(sweep_dir: Path) -> list[dict]:
 
 def describe_sweep(sweep_dir: Path, **fields) -> None:
     """Set top-level fields of sweep.json beside its points (a scaling run's "scaling" block)."""
-    from toolkit.emit.files import write_atomic
+    from toolkit.formats.atomic import write_atomic
 
     with _locked(sweep_dir):
         write_atomic(sweep_dir / "sweep.json", json.dumps(_read(sweep_dir) | fields, indent=2) + "\n")
@@ -276,7 +276,7 @@ def describe_sweep(sweep_dir: Path, **fields) -> None:
 
 def record(sweep_dir: Path, row: dict) -> None:
     """Add or replace the point's row; sweep.json and sweep.csv rewritten atomically."""
-    from toolkit.emit.files import write_atomic
+    from toolkit.formats.atomic import write_atomic
 
     with _locked(sweep_dir):
         document = _read(sweep_dir)

@@ -215,7 +215,7 @@ def write(comparison: Comparison, baseline: Baseline, run_dir: Path) -> list[Pat
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    from toolkit.emit.files import write_atomic
+    from toolkit.formats.atomic import write_atomic
 
     json_path = run_dir / "reproduce.json"
     write_atomic(json_path, json.dumps(comparison.to_json(), indent=2) + "\n")

@@ -252,7 +252,7 @@ def _compare(recipe: str, runs: list[Variant], curves: dict, out_dir: Path) -> i
             "  defect shows from the first steps. Check the layouts over the steps that agree (--steps N), or at a\n"
             "  lower learning rate (optim.lr=...)."
         )
-    from toolkit.emit.files import write_atomic
+    from toolkit.formats.atomic import write_atomic
 
     document = {"recipe": recipe, "reference": reference.name, "pass": ok, "runs": results, "curves": curves}
     write_atomic(out_dir / "reproduce_layouts.json", json.dumps(document, indent=2) + "\n")

@@ -131,7 +131,7 @@ def _differences(old: bl.Baseline, new: bl.Baseline, hardware: str) -> list[str]
 
 
 def record(cfg, recipe, overrides, dirs, existing, curves, figures, hardware, force) -> int:
-    from toolkit.emit.files import write_atomic
+    from toolkit.formats.atomic import write_atomic
 
     losses, lrs = curves
     device = str(cfg.cluster.device)

@@ -12,9 +12,10 @@ import os
 import sys
 from pathlib import Path
 
+from toolkit.config.store import load_run_config
 from toolkit.plan.validate import ValidationError
 from toolkit.train import rank_errors
-from toolkit.train.trainer import load_run_config, quiet_upstream_notices, run_to_exit_code
+from toolkit.train.trainer import quiet_upstream_notices, run_to_exit_code
 
 
 def main(argv: list[str] | None = None) -> int:

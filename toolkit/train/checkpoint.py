@@ -20,6 +20,7 @@ from functools import partial
 from pathlib import Path
 
 from toolkit.data.sources import sha256_of
+from toolkit.formats.atomic import write_atomic
 
 MANIFEST = "manifest.json"
 LATEST = "latest"
@@ -52,15 +53,6 @@ def partial_dir(root: Path, step: int) -> Path:
 
 def _files(directory: Path) -> list[Path]:
     return sorted(p for p in directory.rglob("*") if p.is_file() and p.name != MANIFEST)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def prepare(root: Path, step: int) -> Path:
@@ -113,11 +105,11 @@ def publish(
     if files is None:
         files = {str(p.relative_to(staging)): file_entry(p, level) for p in _files(staging)}
     files = dict(sorted(files.items()))
-    _write_atomic(staging / MANIFEST, json.dumps({"step": step, "files": files, **(extra or {})}, indent=1))
+    write_atomic(staging / MANIFEST, json.dumps({"step": step, "files": files, **(extra or {})}, indent=1))
     final = root / step_name(step)
     shutil.rmtree(final, ignore_errors=True)
     os.replace(staging, final)
-    _write_atomic(root / LATEST, final.name + "\n")
+    write_atomic(root / LATEST, final.name + "\n")
     for old in sorted(root.glob("step_*"))[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final

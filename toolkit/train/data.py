@@ -18,7 +18,7 @@ import numpy as np
 import torch
 
 from toolkit.config.schema import Config
-from toolkit.data.manifest import parse_blend, read_manifest
+from toolkit.formats.manifest import parse_blend, read_manifest
 from toolkit.plan.layout import Layout
 
 
@@ -97,10 +97,10 @@ def index_cache(directory: Path) -> str:
 def _corpus_datasets(cfg: Config, train_samples: int, valid_samples: int | None) -> Datasets:
     """GPTDataset over data.path (a prefix or a weighted blend) or the bundled corpus, split by
     data.split (rank 0 builds the sample indices, the others read them: index_cache)."""
-    from toolkit.train import mcore_cpu
-    from toolkit.train.corpus import CACHE, prepare_corpus
+    from toolkit.compat import import_shims
+    from toolkit.data.corpus import CACHE, prepare_corpus
 
-    mcore_cpu.import_shims()
+    import_shims()
     from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
     from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig
 

@@ -27,7 +27,7 @@ def checkpoint_dtype(path: str) -> str:
     """bf16 for Hugging Face weights saved in bfloat16 (config.json's `dtype`, `torch_dtype` before
     transformers 5): kept as they are, half the memory and disk of fp32; fp32 otherwise.
     megatron-core loads either into a model of any precision (the tensors are cast on load)."""
-    from toolkit.interop.hf_arch import read_config
+    from toolkit.formats.hf_arch import read_config
 
     c = read_config(path)
     return "bf16" if c.get("dtype", c.get("torch_dtype")) == "bfloat16" else "fp32"

@@ -230,7 +230,6 @@ def _stack_main(backend: str, points: list, world: int, port: int, rank: int, qu
     points in order, then in reverse, each time the median step after warm-up (as a training run's
     step is read), and the mean of its two (a slow minute of a shared VM then weighs on one of
     them, not on one point's figure alone); rank 0 reports."""
-    import importlib
     import statistics
 
     import torch
@@ -239,6 +238,7 @@ def _stack_main(backend: str, points: list, world: int, port: int, rank: int, qu
     from toolkit.plan.backends import backend_of
     from toolkit.plan.layout import resolve
     from toolkit.plan.machine_fit import stack_overrides
+    from toolkit.train.backends import trainer_module
     from toolkit.train.trainer import quiet_upstream_notices
 
     torch.set_num_threads(1)
@@ -251,7 +251,7 @@ def _stack_main(backend: str, points: list, world: int, port: int, rank: int, qu
         layers, vocab, tp = points[i]
         os.environ["MASTER_PORT"] = str(port + run)
         cfg = compose_config(stack_overrides(backend, layers, vocab, tp))
-        steps = importlib.import_module(backend_of(cfg).trainer).setup(cfg, resolve(cfg))
+        steps = trainer_module(backend_of(cfg).name).setup(cfg, resolve(cfg))
         steps.begin_at(0)
         times = []
         for step in range(1, STACK_STEPS + 1):

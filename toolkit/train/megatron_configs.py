@@ -7,8 +7,6 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from toolkit.train import mcore_cpu
-
 
 def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
     """GeLU's tanh approximation: GPT-2's gelu_new (transformers NewGELUActivation), Megatron-LM's
@@ -18,7 +16,9 @@ def gelu_tanh(x: torch.Tensor) -> torch.Tensor:
 
 def build_megatron_configs(sections: dict):
     """(TransformerConfig, OptimizerConfig, DistributedDataParallelConfig) from the sections."""
-    mcore_cpu.import_shims()
+    from toolkit.compat import import_shims
+
+    import_shims()
     from megatron.core.distributed import DistributedDataParallelConfig
     from megatron.core.optimizer import OptimizerConfig
     from megatron.core.transformer.enums import AttnBackend

@@ -9,14 +9,15 @@ from __future__ import annotations
 
 import torch
 
-from toolkit.train import mcore_cpu
 from toolkit.train.megatron_configs import build_megatron_configs
 
 
 def have_transformer_engine() -> bool:
     """Whether megatron-core itself found a working Transformer Engine (its HAVE_TE: the import
     succeeded, not merely a package directory on the path)."""
-    mcore_cpu.import_shims()
+    from toolkit.compat import import_shims
+
+    import_shims()
     from megatron.core.extensions.transformer_engine import HAVE_TE
 
     return bool(HAVE_TE)

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import sys
 import time
 from pathlib import Path
@@ -18,6 +17,7 @@ import psutil
 import torch
 
 from toolkit.config.schema import Config
+from toolkit.formats.atomic import write_atomic
 from toolkit.plan.flops import step_flops
 from toolkit.plan.layout import Layout
 from toolkit.plan.memory import GIB, peak_memory
@@ -77,9 +77,7 @@ class Metrics:
             log = run_dir / "metrics.jsonl"
             if log.exists():  # a resumed run: keep the steps up to the checkpoint, redo the rest
                 kept = [r for r in map(json.loads, log.read_text().splitlines()) if r["step"] <= resume_step]
-                tmp = run_dir / ".metrics.jsonl.tmp"
-                tmp.write_text("".join(json.dumps(r) + "\n" for r in kept))
-                os.replace(tmp, log)
+                write_atomic(log, "".join(json.dumps(r) + "\n" for r in kept))
                 self.history = [r for r in kept if "loss" in r]
                 self.evaluations = [r for r in kept if "val_loss" in r]
             self._jsonl = open(log, "a")
@@ -203,7 +201,5 @@ class Metrics:
                     f"{max(times) / max(min(times), 1e-9):.2g}x the fastest",
                     flush=True,
                 )
-        tmp = run_dir / ".result.json.tmp"
-        tmp.write_text(json.dumps(summary, indent=2))
-        os.replace(tmp, run_dir / "result.json")  # written last: a finished run has result.json
+        write_atomic(run_dir / "result.json", json.dumps(summary, indent=2))  # last: a finished run has it
         return losses

@@ -45,7 +45,7 @@ def _restart() -> int:
 
 def _write(path: Path, text: str) -> None:
     """Atomically: the agent reads the error file once the rank has ended, never half of it."""
-    from toolkit.emit.files import write_atomic
+    from toolkit.formats.atomic import write_atomic
 
     path.parent.mkdir(parents=True, exist_ok=True)
     write_atomic(path, text)

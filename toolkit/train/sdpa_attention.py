@@ -23,9 +23,9 @@ import copy
 import torch
 import torch.nn.functional as F
 
-from toolkit.train import mcore_cpu
+from toolkit.compat import import_shims
 
-mcore_cpu.import_shims()
+import_shims()
 from megatron.core import parallel_state, tensor_parallel  # noqa: E402
 from megatron.core.tensor_parallel.mappings import gather_from_sequence_parallel_region  # noqa: E402
 from megatron.core.transformer.dot_product_attention import DotProductAttention  # noqa: E402

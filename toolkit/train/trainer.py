@@ -5,16 +5,15 @@ of a torchrun job, or the only one), `run_to_exit_code` wraps it for a command l
 
 from __future__ import annotations
 
-import importlib
 import logging
 import warnings
 from pathlib import Path
 
 from toolkit.config.schema import Config
-from toolkit.config.store import load_run_config  # noqa: F401 (its callers import it from here)
 from toolkit.plan.backends import backend_of
 from toolkit.plan.validate import check
 from toolkit.train import loop
+from toolkit.train.backends import trainer_module
 
 # Upstream notices that say nothing about this run (missing optional kernels on CPU, API
 # deprecations inside megatron-core and torch); anything else still prints.
@@ -70,7 +69,7 @@ def run(cfg: Config, run_dir: Path) -> list[float]:
     layout, _ = check(cfg, installed=importable)  # on every node that trains
     backend = backend_of(cfg)
     memory = MemoryProbe(profile_tensors=cfg.train.profile_memory)  # before the model exists
-    steps = importlib.import_module(backend.trainer).setup(cfg, layout)
+    steps = trainer_module(backend.name).setup(cfg, layout)
     return loop.train(cfg, layout, run_dir, steps, backend.name, memory)
 
 
@@ -80,7 +79,7 @@ def run_to_exit_code(cfg: Config, run_dir: Path) -> int:
     reported in one line, not as a traceback: 1; a configuration this node cannot train (a
     package it lacks) with its errors: 2. Under torchrun the launcher prints that line once for
     every rank (toolkit.train.rank_errors)."""
-    from toolkit.interop.hf_arch import HfConfigError
+    from toolkit.formats.hf_arch import HfConfigError
     from toolkit.plan.validate import ValidationError
     from toolkit.train import rank_errors
     from toolkit.train.checkpoint import ResumeError

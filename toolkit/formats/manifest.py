@@ -10,9 +10,10 @@ torch.
 from __future__ import annotations
 
 import json
-import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+
+from toolkit.formats.atomic import write_atomic
 
 FORMAT = 1
 
@@ -40,9 +41,7 @@ class Manifest:
     format: int = FORMAT
 
     def write(self, path: Path) -> None:
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps(asdict(self), indent=2) + "\n")
-        os.replace(tmp, path)
+        write_atomic(path, json.dumps(asdict(self), indent=2) + "\n")
 
 
 def manifest_path(prefix: str | Path) -> Path:

@@ -12,7 +12,7 @@ import json
 import os
 from pathlib import Path
 
-from toolkit.interop.hf_arch import HfConfigError
+from toolkit.formats.hf_arch import HfConfigError
 
 # format -> (the index of a sharded checkpoint, the file(s) of an unsharded one). Safetensors files
 # of any name, as HfTensors has always read them; transformers' from_pretrained also reads PyTorch's.

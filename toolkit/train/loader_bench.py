@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from toolkit.config.schema import Config
 from toolkit.plan.layout import Layout, resolve
 from toolkit.plan.perf import estimate_step
+from toolkit.train.data import build_datasets, micro_batches
 
 HEADROOM = 2.0  # below this ratio a slower host or a busier node would starve the GPUs
 
@@ -56,8 +57,6 @@ def bench_loader(cfg: Config, layout: Layout, steps: int = 20, progress: bool = 
     """Time `steps` steps of one rank's micro-batches (after one warm-up step) in this process."""
     import torch
     from tqdm import tqdm
-
-    from toolkit.train.data import build_datasets, micro_batches
 
     short = dataclasses.replace(
         cfg, train=dataclasses.replace(cfg.train, steps=steps + 1, tokens=None, eval_interval=None)
