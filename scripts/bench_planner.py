@@ -106,7 +106,9 @@ def _scheduled(layout, run: dict):
     if not vpp:
         return layout
     return dataclasses.replace(
-        layout, vpp=vpp, bubble_fraction=bubble_fraction(layout.pp, vpp, layout.num_microbatches)
+        layout,
+        dims=dataclasses.replace(layout.dims, vpp=vpp),
+        bubble_fraction=bubble_fraction(layout.pp, vpp, layout.num_microbatches),
     )
 
 

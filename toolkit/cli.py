@@ -89,7 +89,7 @@ def _summary(cfg, layout) -> str:
         f"{cfg.model.name} on {c.name}: {layout.world_size} x {c.gpu} ({c.nodes} node(s) x {c.gpus_per_node}), "
         f"backend {cfg.backend.name}, zero {cfg.zero.stage}, {cfg.precision.dtype}, recompute "
         f"{cfg.recompute.granularity}\n"
-        f"layout: tp={layout.tp} pp={layout.pp} vpp={layout.vpp} cp={layout.cp} dp={layout.dp}"
+        f"layout: {layout.dims.label()}"
         f"{' +sequence-parallel' if cfg.parallel.sequence_parallel else ''}"
         f"{' +tp-comm-overlap' if cfg.parallel.tp_comm_overlap else ''}\n"
         f"batch: global {layout.global_batch} = micro {layout.micro_batch} x accum {layout.grad_accum} x dp "

@@ -181,7 +181,7 @@ def launch_script(cfg: Config, layout: Layout) -> str:
         "#!/usr/bin/env bash",
         f"# parakit launch: {cfg.model.name} on {c.name} ({c.nodes} node(s) x {c.gpus_per_node} {c.gpu}), backend "
         f"{cfg.backend.name}",
-        f"# layout: tp={layout.tp} pp={layout.pp} vpp={layout.vpp} cp={layout.cp} dp={layout.dp}; "
+        f"# layout: {layout.dims.label()}; "
         f"global batch {layout.global_batch} = micro {layout.micro_batch} x accum {layout.grad_accum} x dp {layout.dp}",
     ]
     if c.nodes > 1:

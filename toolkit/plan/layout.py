@@ -13,16 +13,13 @@ from dataclasses import dataclass
 
 from toolkit.config.schema import Config
 from toolkit.plan.backends import backend_of
+from toolkit.plan.parallel_dims import ParallelDims
 
 
 @dataclass(frozen=True)
 class Layout:
     world_size: int
-    tp: int
-    pp: int
-    vpp: int
-    cp: int
-    dp: int
+    dims: ParallelDims  # tp, pp, vpp, cp, dp (toolkit.plan.parallel_dims)
     micro_batch: int
     global_batch: int
     grad_accum: int  # micro-batches per optimizer step on each data-parallel rank
@@ -37,6 +34,26 @@ class Layout:
     bubble_fraction: float
     loader_workers: int = 0  # DataLoader processes per rank (data.num_workers, or its default)
     stop_after_steps: int | None = None  # train.stop_after_steps
+
+    @property
+    def tp(self) -> int:
+        return self.dims.tp
+
+    @property
+    def pp(self) -> int:
+        return self.dims.pp
+
+    @property
+    def vpp(self) -> int:
+        return self.dims.vpp
+
+    @property
+    def cp(self) -> int:
+        return self.dims.cp
+
+    @property
+    def dp(self) -> int:
+        return self.dims.dp
 
     @property
     def last_step(self) -> int:
@@ -153,11 +170,7 @@ def resolve(cfg: Config) -> Layout:
     warmup = rescaled_warmup(o.warmup_steps, o.lr_scaling, t.global_batch, o.reference_global_batch)
     return Layout(
         world_size=world_size(cfg),
-        tp=p.tp,
-        pp=p.pp,
-        vpp=p.vpp,
-        cp=p.cp,
-        dp=dp,
+        dims=ParallelDims(tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, dp=dp),
         micro_batch=t.micro_batch,
         global_batch=t.global_batch,
         grad_accum=grad_accum,

@@ -10,6 +10,7 @@ from toolkit.config.schema import Config
 from toolkit.plan.checkpoint import checkpoint_plan
 from toolkit.plan.layout import resolve, world_size
 from toolkit.plan.memory import GIB, peak_memory
+from toolkit.plan.parallel_dims import DIMS, ParallelDims
 from toolkit.plan.params import model_params
 from toolkit.plan.perf import estimate_step
 from toolkit.plan.search import Candidate, decision_path, search
@@ -17,11 +18,7 @@ from toolkit.plan.validate import validate
 
 _COLUMNS = (
     "#",
-    "tp",
-    "pp",
-    "vpp",
-    "cp",
-    "dp",
+    *(d.name for d in DIMS),
     "mbs",
     "zero",
     "recompute",
@@ -38,11 +35,7 @@ def _row(rank: int, c: Candidate) -> tuple:
     d = c.describe()
     return (
         rank,
-        d["tp"],
-        d["pp"],
-        d["vpp"],
-        d["cp"],
-        c.layout.dp,
+        *(degree for _, degree in c.layout.dims.items()),
         d["micro_batch"],
         d["zero"],
         d["recompute"],
@@ -122,8 +115,9 @@ def _print_text(cfg, result, path, configured, ckpt, top) -> None:
     )
     if configured["valid"]:
         d = configured["candidate"]
+        dims = ParallelDims(**{dim.name: d[dim.name] for dim in DIMS})
         print(
-            f"\nconfigured layout: tp={d['tp']} pp={d['pp']} vpp={d['vpp']} cp={d['cp']} micro {d['micro_batch']}, "
+            f"\nconfigured layout: {dims.label()} micro {d['micro_batch']}, "
             f"zero {d['zero']}, recompute {d['recompute']}: {d['memory_gib']:.1f} GiB per GPU "
             f"({'fits' if configured['fits'] else 'DOES NOT FIT'}), {d['tokens_per_s']:,.0f} tokens/s, MFU "
             f"{d['mfu']:.1%}"

@@ -54,8 +54,7 @@ def predicted_curve(cfg: Config, low: int, high: int, mode: str) -> list[dict]:
         if best:
             lay = best.layout
             row |= {
-                "layout": f"tp={lay.tp} pp={lay.pp} vpp={lay.vpp} cp={lay.cp} dp={lay.dp} mb={lay.micro_batch} "
-                f"zero={best.cfg.zero.stage}",
+                "layout": f"{lay.dims.label()} mb={lay.micro_batch} zero={best.cfg.zero.stage}",
                 "tokens_per_s": best.step.tokens_per_s,
                 "mfu": best.step.mfu,
             }

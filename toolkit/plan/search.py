@@ -45,18 +45,14 @@ class Candidate:
     @property
     def complexity(self) -> tuple:
         """Lower is simpler: model splits last, then recompute, then ZeRO stage."""
-        lay = self.layout
-        splits = (lay.tp > 1) + (lay.pp > 1) + (lay.vpp > 1) + (lay.cp > 1)
-        return splits, lay.tp * lay.pp * lay.cp, RECOMPUTE_ORDER[self.cfg.recompute.granularity], self.cfg.zero.stage
+        dims = self.layout.dims
+        recompute = RECOMPUTE_ORDER[self.cfg.recompute.granularity]
+        return dims.model_splits, dims.model_parallel_size, recompute, self.cfg.zero.stage
 
     def describe(self) -> dict:
         lay, c = self.layout, self.cfg
         return {
-            "tp": lay.tp,
-            "pp": lay.pp,
-            "vpp": lay.vpp,
-            "cp": lay.cp,
-            "dp": lay.dp,
+            **dict(lay.dims.items()),
             "micro_batch": lay.micro_batch,
             "first_stage_layers": c.parallel.first_stage_layers,
             "last_stage_layers": c.parallel.last_stage_layers,
@@ -79,10 +75,7 @@ class Candidate:
         """The Hydra overrides that select this layout (for `parakit generate`)."""
         lay, c = self.layout, self.cfg
         out = [
-            f"parallel.tp={lay.tp}",
-            f"parallel.pp={lay.pp}",
-            f"parallel.vpp={lay.vpp}",
-            f"parallel.cp={lay.cp}",
+            *lay.dims.overrides(derived=("dp",)),
             f"parallel.sequence_parallel={str(c.parallel.sequence_parallel).lower()}",
             f"train.micro_batch={lay.micro_batch}",
             f"zero={c.zero.stage}",
@@ -279,8 +272,7 @@ def decision_path(cfg: Config, result: SearchResult) -> list[str]:
 
 
 def _shape(c: Candidate) -> str:
-    lay = c.layout
-    return f"tp={lay.tp} pp={lay.pp} vpp={lay.vpp} cp={lay.cp} dp={lay.dp}"
+    return c.layout.dims.label()
 
 
 def _savings(c: Candidate) -> str:

@@ -44,7 +44,7 @@ def layout_label(candidate: Candidate) -> str:
     """What tells two candidates apart: the split, micro-batch and ZeRO stage, sequence parallel
     and recompute where they are on (two candidates may differ only there)."""
     lay, c = candidate.layout, candidate.cfg
-    label = f"tp={lay.tp} pp={lay.pp} vpp={lay.vpp} dp={lay.dp} mb={lay.micro_batch} z={c.zero.stage}"
+    label = f"{lay.dims.label()} mb={lay.micro_batch} z={c.zero.stage}"
     if c.parallel.sequence_parallel:
         label += " sp"
     if str(c.recompute.granularity) != "none":

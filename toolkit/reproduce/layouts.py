@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import math
-import re
 import subprocess
 import sys
 import time
@@ -23,9 +22,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from toolkit.config.schema import Config
+from toolkit.plan.parallel_dims import ParallelDims, parse_degrees
 from toolkit.report.sweep import loss_curve
 
-SIZE = re.compile(r"^(tp|pp|vpp|cp|dp)(\d+)$")
 # fp32 on CPU: layouts sum partial products in another order (tp splits the GEMMs, dp the batch):
 # measured 9.5e-7 (one float32 ulp at 10.8) over the demo's first 3 steps, megatron dp4 and
 # DeepSpeed dp4 against tp2 pp2 vpp2; tests/test_train_megatron.py bounds 4 steps by 4e-6. 1e-5 per
@@ -61,25 +60,21 @@ class Variant:
         return f"{self.backend}-{self.layout}"
 
     @property
+    def dims(self) -> ParallelDims:
+        return ParallelDims(**self.sizes)
+
+    @property
     def world_size(self) -> int:
-        return math.prod(self.sizes.get(k, 1) for k in ("tp", "pp", "cp", "dp"))
+        return self.dims.world_size
 
 
 def parse_layout(name: str) -> dict:
-    """`tp2_pp2_vpp2` -> {"tp": 2, "pp": 2, "vpp": 2}: sizes joined by `_`, each at least 1; the
-    world size is tp x pp x cp x dp (dp 1 when not given)."""
-    sizes = {}
-    for part in name.split("_"):
-        match = SIZE.match(part)
-        if not match or int(match.group(2)) < 1:
-            raise LayoutError(
-                f"--layouts: {name!r}: {part!r} is not a size; write tpN, ppN, vppN, cpN, dpN joined by _ "
-                "(e.g. tp2_pp2_vpp2, pp4_vpp2, dp4)"
-            )
-        if match.group(1) in sizes:
-            raise LayoutError(f"--layouts: {name!r} gives {match.group(1)} twice")
-        sizes[match.group(1)] = int(match.group(2))
-    return sizes
+    """`tp2_pp2_vpp2` -> {"tp": 2, "pp": 2, "vpp": 2} (toolkit.plan.parallel_dims); the world size
+    is their product, the dimensions not named 1."""
+    try:
+        return parse_degrees(name)
+    except ValueError as e:
+        raise LayoutError(f"--layouts: {name!r}: {e} (e.g. tp2_pp2_vpp2, pp4_vpp2, dp4)") from None
 
 
 def variants(layouts: str, backends: str) -> list[Variant]:
@@ -96,14 +91,9 @@ def variants(layouts: str, backends: str) -> list[Variant]:
 
 
 def variant_overrides(v: Variant, vocab_size: int) -> list[str]:
-    s = v.sizes
     return [
         f"backend={v.backend}",
-        f"parallel.tp={s.get('tp', 1)}",
-        f"parallel.pp={s.get('pp', 1)}",
-        f"parallel.vpp={s.get('vpp', 1)}",
-        f"parallel.cp={s.get('cp', 1)}",
-        f"parallel.dp={s.get('dp', 1)}",
+        *v.dims.overrides(),
         "cluster.nodes=1",
         f"cluster.gpus_per_node={v.world_size}",
         f"model.vocab_size={vocab_size}",
@@ -115,7 +105,7 @@ def common_vocab(cfg: Config, runs: list[Variant]) -> int:
     largest tp among the runs (a multiple of 128 x tp divides every smaller tp's multiple)."""
     from toolkit.plan.layout import padded_vocab_size
 
-    largest_tp = max(v.sizes.get("tp", 1) for v in runs)
+    largest_tp = max(v.dims.tp for v in runs)
     return padded_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by, largest_tp)
 
 
