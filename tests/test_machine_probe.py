@@ -23,7 +23,7 @@ import pytest
 from toolkit.config import machine
 from toolkit.config.store import compose_config
 from toolkit.plan import machine_fit
-from toolkit.plan.perf import shape_efficiency
+from toolkit.plan.kernels import shape_efficiency
 
 # what the fake probe below reports (every constant the cpu cluster file reads)
 FAKE = {

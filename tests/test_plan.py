@@ -95,8 +95,9 @@ def test_pipeline_sends_the_tensor_megatron_core_sends(compose, sequence_paralle
     from types import SimpleNamespace
 
     from toolkit.compat import import_shims
+    from toolkit.plan.collectives import p2p_time
     from toolkit.plan.memory import DTYPE_BYTES
-    from toolkit.plan.perf import _p2p_time, estimate_step
+    from toolkit.plan.perf import estimate_step
 
     import_shims()  # megatron-core without triton
     from megatron.core.pipeline_parallel.schedules import get_tensor_shapes
@@ -114,7 +115,7 @@ def test_pipeline_sends_the_tensor_megatron_core_sends(compose, sequence_paralle
     sent = math.prod(shape) * DTYPE_BYTES[cfg.precision.dtype]
     bandwidth = cfg.cluster.inter_node_bandwidth_gbs  # tp*cp*dp = 64 GPUs per stage: stages cross nodes
     sends = layout.num_microbatches * layout.vpp * 2  # forward activations, backward gradients, per chunk
-    assert estimate_step(cfg, layout).pp_comm == pytest.approx(sends * _p2p_time(cfg, sent, bandwidth), rel=1e-12)
+    assert estimate_step(cfg, layout).pp_comm == pytest.approx(sends * p2p_time(cfg, sent, bandwidth), rel=1e-12)
 
 
 def test_a_synchronous_step_waits_on_the_slowest_chip_of_the_job(compose):
@@ -125,7 +126,8 @@ def test_a_synchronous_step_waits_on_the_slowest_chip_of_the_job(compose):
     change nothing. A defect that ignores the job's size leaves Llama 3's 16K-GPU runs 4% fast."""
     import dataclasses
 
-    from toolkit.plan.perf import RANGE_OF_EIGHT, estimate_step, slowest_chip_factor
+    from toolkit.plan.kernels import RANGE_OF_EIGHT, slowest_chip_factor
+    from toolkit.plan.perf import estimate_step
 
     assert slowest_chip_factor(1, 0.045) == 1.0 and slowest_chip_factor(16384, 0.0) == 1.0
     assert 1 - slowest_chip_factor(8, 0.045) == pytest.approx(0.045 / 2, rel=0.01)
@@ -146,7 +148,8 @@ def test_interleaved_pipeline_hides_its_steady_state_sends_under_the_chunks(comp
     2(pp-1) + (vpp-1)pp warm-up chunks (and as many flush chunks) wait on theirs; the rest cost
     OVERLAP_INTERFERENCE of their time. Left exposed, NeMo's vpp 5-12 H100 runs were 4-9% slow; a
     defect that drops the warm-up share (10 of 32 chunks here) moves pp_comm by 30%."""
-    from toolkit.plan.perf import OVERLAP_INTERFERENCE, estimate_step
+    from toolkit.plan.collectives import OVERLAP_INTERFERENCE
+    from toolkit.plan.perf import estimate_step
 
     def pp_comm(vpp, cluster="h100_cluster"):
         cfg = compose(
@@ -169,7 +172,8 @@ def test_tensor_parallel_overlap_hides_the_collectives_under_the_gemms_up_to_the
     a layer's all-gathers and reduce-scatters hide under its GEMMs, which they still slow by
     OVERLAP_INTERFERENCE of the hidden time; over a link too slow to hide behind the GEMMs the rest
     stays exposed. Left exposed, the planner had NeMo's tp4-tp8 H100 runs 6-15% slow."""
-    from toolkit.plan.perf import OVERLAP_INTERFERENCE, estimate_step
+    from toolkit.plan.collectives import OVERLAP_INTERFERENCE
+    from toolkit.plan.perf import estimate_step
 
     def step(*extra, overlap):
         cfg = compose(

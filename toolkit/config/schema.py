@@ -437,14 +437,14 @@ class ClusterConfig:
     gemm_efficiency: float = 0.8
     # How far the sustained GEMM rate of the GPUs of one node spreads, fastest to slowest, as a
     # fraction of it: chips of one model differ, and a synchronous step waits on the slowest GPU
-    # of the whole job (toolkit.plan.perf.slowest_chip_factor). 0: identical chips.
+    # of the whole job (toolkit.plan.kernels.slowest_chip_factor). 0: identical chips.
     gemm_chip_spread: float = 0.0
     # A GEMM dimension at which a kernel reaches half its large-shape efficiency (the saturation
     # curve `parakit probe` fits on CPU; on GPUs it shapes only flash attention's head dimension
     # and block, their GEMMs follow tile and wave quantization instead, see sm_count).
     gemm_half_size: float = 128.0
     # Streaming multiprocessors of one GPU (NVIDIA whitepapers: V100 80, A100 108, H100/H200 SXM
-    # 132): a GEMM's output tiles run in waves of this many (toolkit.plan.perf.wave_efficiency).
+    # 132): a GEMM's output tiles run in waves of this many (toolkit.plan.kernels.wave_efficiency).
     # null (CPU): GEMMs follow the gemm_half_size saturation curve.
     sm_count: Optional[int] = None
     # Fixed time every optimizer step costs beside its modelled work (framework and Python

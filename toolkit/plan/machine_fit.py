@@ -26,7 +26,9 @@ from __future__ import annotations
 import math
 import statistics
 
-from toolkit.plan.perf import COLLECTIVE_EFFICIENCY, estimate_step, shape_efficiency
+from toolkit.plan.collectives import COLLECTIVE_EFFICIENCY
+from toolkit.plan.kernels import shape_efficiency
+from toolkit.plan.perf import estimate_step
 
 # (layers, vocabulary) of the stack probe's runs: the first is the base, the second adds layers,
 # the third adds logits (30720 x 256 tokens x 4 bytes stays under FRESH_BYTES: fresh pages are

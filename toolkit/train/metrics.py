@@ -19,9 +19,10 @@ import torch
 from toolkit.config.schema import Config
 from toolkit.formats.atomic import write_atomic
 from toolkit.plan.flops import step_flops
+from toolkit.plan.kernels import mfu_peak_flops
 from toolkit.plan.layout import Layout
 from toolkit.plan.memory import GIB, peak_memory
-from toolkit.plan.perf import estimate_step, mfu_peak_flops
+from toolkit.plan.perf import estimate_step
 from toolkit.train.checkpoint import Resume
 from toolkit.train.distributed import local_restarts
 from toolkit.train.probe import stage_times
