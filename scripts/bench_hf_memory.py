@@ -3,7 +3,7 @@
 Makes a Llama-style model of a few hundred MB with transformers (random weights, saved with
 save_pretrained into a temporary directory), then, each in a fresh process:
   streaming  builds the megatron-core GPTModel (tp = pp = 1) and fills it with
-             toolkit.interop.hf_weights (safe_open, one tensor at a time);
+             toolkit.families.hf_weights (safe_open, one tensor at a time);
   whole      the same, after reading the whole state dict into memory first (what loading a
              Hugging Face model, then converting it, holds), for comparison;
   convert    `parakit convert hf-to-megatron` end to end (its own peak RSS).
@@ -52,7 +52,7 @@ def child(mode: str, hf_dir: str) -> None:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from toolkit.emit.megatron import megatron_sections
-    from toolkit.interop.hf_weights import load_hf_into_chunks
+    from toolkit.families.hf_weights import load_hf_into_chunks
     from toolkit.plan.layout import resolve
     from toolkit.train.distributed import init_process_group
     from toolkit.train.megatron_model import build_model_chunks

@@ -27,12 +27,13 @@ from pathlib import Path
 
 import yaml
 
+from toolkit.config.schema import head_dim
 from toolkit.config.store import compose_config
 from toolkit.plan.backends import backend_named, backend_of
 from toolkit.plan.flops import step_flops
 from toolkit.plan.layout import bubble_fraction, resolve
 from toolkit.plan.memory import GIB, peak_memory
-from toolkit.plan.params import head_dim, model_params
+from toolkit.plan.params import model_params
 from toolkit.plan.perf import estimate_step
 from toolkit.plan.validate import validate
 

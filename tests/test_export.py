@@ -13,8 +13,8 @@ from safetensors.torch import load_file
 
 from toolkit import cli
 from toolkit.config.schema import Config
-from toolkit.interop.convert import megatron_layer_to_hf
-from toolkit.interop.hf import hf_config
+from toolkit.families.hf_config import hf_config
+from toolkit.families.to_hf import megatron_layer_to_hf
 from toolkit.interop.hf_dir import ShardWriter, parse_size, staged_directory
 from toolkit.train import checkpoint as ckpt
 

@@ -4,8 +4,8 @@ vpp = 2) compute the logits of the transformers model within 1e-4 (fp32), for th
 Mistral and GPT-2 families; a checkpoint of `parakit convert hf-to-megatron` (written at tp = 1)
 loads at tp = 2 x pp = 2. Bad directories and architecture mismatches are one clear error.
 
-Mutation (made by hand, then restored): K and V swapped in toolkit.interop.hf_weights.
-_interleave_qkv moved the logits by 2.8 to 3.7: every family failed, and the converted checkpoint."""
+Mutation (made by hand, then restored): K and V swapped in toolkit.families.qkv.
+interleave_qkv moved the logits by 2.8 to 3.7: every family failed, and the converted checkpoint."""
 
 import json
 import os
@@ -18,7 +18,8 @@ import pytest
 from training_runs import processes_naming, python
 
 from toolkit.config.store import compose_config
-from toolkit.formats.hf_arch import HfConfigError, check_matches
+from toolkit.families.hf_config import check_matches
+from toolkit.formats.hf_arch import HfConfigError
 
 TESTS = Path(__file__).parent
 QWEN2_CONFIG = TESTS / "data" / "hf_qwen2"  # a config.json only
@@ -179,12 +180,11 @@ def test_an_init_checkpoint_replaces_the_hf_weights(tmp_path):
 def test_qkv_interleave_is_the_inverse_of_the_megatron_to_hf_split():
     import torch
 
-    from toolkit.interop.convert import _split_qkv
-    from toolkit.interop.hf_weights import _interleave_qkv
+    from toolkit.families.qkv import interleave_qkv, split_qkv
 
     m = compose_config(["model=hf", f"model.hf_path={QWEN2_CONFIG}"]).model
     q, k, v = torch.randn(64, 8), torch.randn(32, 8), torch.randn(32, 8)
-    for got, want in zip(_split_qkv(_interleave_qkv(q, k, v, m), m), (q, k, v)):
+    for got, want in zip(split_qkv(interleave_qkv(q, k, v, m), m), (q, k, v)):
         assert torch.equal(got, want)
 
 

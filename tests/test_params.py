@@ -6,7 +6,7 @@ import pytest
 import torch
 from megatron_meta import megatron_rank_params
 
-from toolkit.interop.hf import hf_config
+from toolkit.families.hf_config import hf_config
 from toolkit.plan.layout import padded_vocab_size, stage_layer_counts
 from toolkit.plan.params import hf_model_params, model_params, stage_params
 

@@ -13,7 +13,7 @@ from megatron_meta import meta_chunks
 from toolkit.emit.launch import launch_script
 from toolkit.emit.megatron import megatron_sections
 from toolkit.emit.megatron_args import megatron_args
-from toolkit.interop.hf import check_hf_matches, hf_config
+from toolkit.families.hf_config import check_matches, hf_config
 from toolkit.plan.layout import resolve
 from toolkit.plan.validate import validate
 
@@ -105,7 +105,7 @@ def test_hf_config_round_trips_rope_parameters(compose, case, tmp_path):
             "high_freq_factor": rs.high_freq_factor,
             "original_max_position_embeddings": rs.original_max_position_embeddings,
         }
-    check_hf_matches(m, str(tmp_path))
+    check_matches(m, str(tmp_path))
 
 
 def _published_llama32_1b(path: Path, **rope_scaling) -> str:
@@ -141,16 +141,16 @@ def _published_llama32_1b(path: Path, **rope_scaling) -> str:
 
 def test_published_config_matches_conf_model_and_other_rope_is_refused(compose, tmp_path):
     m = compose("model=llama3_1b").model
-    check_hf_matches(m, _published_llama32_1b(tmp_path / "published"))
+    check_matches(m, _published_llama32_1b(tmp_path / "published"))
     with pytest.raises(
         ValueError,
         match=r"model.rope_scaling=\{'type': 'llama3', 'factor': 32.0.* vs \{'type': 'llama3', 'factor': 8.0",
     ):
-        check_hf_matches(m, _published_llama32_1b(tmp_path / "factor8", factor=8.0))
+        check_matches(m, _published_llama32_1b(tmp_path / "factor8", factor=8.0))
     with pytest.raises(
         ValueError, match=r"model.rope_scaling=\{'type': 'none'\} vs \{'type': 'llama3', 'factor': 32.0"
     ):
-        check_hf_matches(compose("model=llama3_1b", "model.rope_scaling.type=none").model, str(tmp_path / "published"))
+        check_matches(compose("model=llama3_1b", "model.rope_scaling.type=none").model, str(tmp_path / "published"))
 
 
 def test_model_hf_reads_llama3_scaling_and_writes_it_back(compose, tmp_path):

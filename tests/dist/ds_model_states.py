@@ -30,7 +30,7 @@ from transformers import AutoModelForCausalLM  # noqa: E402
 
 from toolkit.config.store import compose_config  # noqa: E402
 from toolkit.emit.deepspeed import deepspeed_config  # noqa: E402
-from toolkit.interop.hf import hf_config  # noqa: E402
+from toolkit.families.hf_config import hf_config  # noqa: E402
 from toolkit.plan.validate import check  # noqa: E402
 
 

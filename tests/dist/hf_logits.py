@@ -5,7 +5,7 @@ torchrun --nproc-per-node 4 tests/dist/hf_logits.py CASES.json TOKENS.pt OUT_DIR
 
 CASES.json: a list of {"name", "overrides", "layout": [tp, pp, vpp], "init_checkpoint"?}; each
 case builds this rank's chunks from the composed config, fills them from model.hf_path
-(toolkit.interop.hf_weights), or from a megatron-core dist checkpoint when init_checkpoint is
+(toolkit.families.hf_weights), or from a megatron-core dist checkpoint when init_checkpoint is
 given, and runs a forward-only pipeline schedule over TOKENS.pt (one micro-batch per sequence).
 The last pipeline stage gathers the vocabulary-parallel logits over tp, drops the padded rows
 and, on the first tp and dp rank, saves them as OUT_DIR/NAME.pt.
@@ -27,7 +27,7 @@ from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
 from toolkit.config.store import compose_config  # noqa: E402
 from toolkit.emit.megatron import megatron_sections  # noqa: E402
-from toolkit.interop.hf_weights import load_hf_into_chunks  # noqa: E402
+from toolkit.families.hf_weights import load_hf_into_chunks  # noqa: E402
 from toolkit.plan.layout import resolve  # noqa: E402
 from toolkit.train.distributed import init_process_group  # noqa: E402
 from toolkit.train.megatron_backend import _load_weights  # noqa: E402

@@ -233,6 +233,16 @@ class ModelConfig:
     hf_path: Optional[str] = None
 
 
+def head_dim(m: ModelConfig) -> int:
+    """The size of one attention head (model.head_dim unset: hidden_size / heads)."""
+    return m.head_dim or m.hidden_size // m.num_attention_heads
+
+
+def kv_heads(m: ModelConfig) -> int:
+    """The number of key/value heads (model.num_kv_heads unset: one per attention head)."""
+    return m.num_kv_heads or m.num_attention_heads
+
+
 @dataclass
 class ParallelConfig:
     tp: int = 1  # tensor parallel size

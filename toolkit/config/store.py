@@ -30,6 +30,7 @@ from omegaconf.errors import InterpolationResolutionError
 
 from toolkit.config import machine
 from toolkit.config.schema import Config, StackCosts
+from toolkit.families import hf_config
 from toolkit.formats import hf_arch
 
 SCHEMA_NAME = "parakit_schema"
@@ -52,7 +53,7 @@ def register_schema() -> None:
     `${probed:FIELD,GUESS}` (this machine's measured constants: conf/cluster/cpu.yaml)."""
     ConfigStore.instance().store(name=SCHEMA_NAME, node=Config)
     if not OmegaConf.has_resolver("hf"):
-        OmegaConf.register_new_resolver("hf", hf_arch.field)
+        OmegaConf.register_new_resolver("hf", hf_config.field)
     if not OmegaConf.has_resolver("probed"):
         OmegaConf.register_new_resolver("probed", machine.probed)
 

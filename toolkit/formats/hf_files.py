@@ -3,7 +3,7 @@ save_pretrained gives them (transformers/utils/__init__.py: SAFE_WEIGHTS_INDEX_N
 SAFE_WEIGHTS_NAME, WEIGHTS_INDEX_NAME, WEIGHTS_NAME).
 
 Pure Python (json only): the validator lists them before any rank starts, and the megatron
-ranks read the same list (toolkit.interop.hf_weights.HfTensors).
+ranks read the same list (toolkit.families.hf_weights.HfTensors).
 """
 
 from __future__ import annotations

@@ -199,7 +199,7 @@ def export(checkpoint: Checkpoint, output: Path, tokenizer=None, max_shard_bytes
     from transformers import GenerationConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    from toolkit.interop.hf import hf_config
+    from toolkit.families.hf_config import hf_config
     from toolkit.interop.hf_dir import ShardWriter, staged_directory
 
     config = hf_config(checkpoint.cfg.model)

@@ -31,8 +31,8 @@ def main() -> None:
 
     from toolkit.config.store import load_run_config
     from toolkit.emit.megatron import megatron_sections
-    from toolkit.interop.convert import megatron_to_hf
-    from toolkit.interop.hf import hf_config
+    from toolkit.families.hf_config import hf_config
+    from toolkit.families.to_hf import megatron_to_hf
     from toolkit.plan.layout import resolve
     from toolkit.train.hf_convert import single_process
     from toolkit.train.megatron_model import build_model_chunks

@@ -31,7 +31,7 @@ from typing import Iterator
 import torch
 
 from toolkit.config.schema import ModelConfig
-from toolkit.interop.convert import megatron_layer_to_hf, megatron_outer_to_hf
+from toolkit.families.to_hf import megatron_layer_to_hf, megatron_outer_to_hf
 
 Tensors = Iterator[tuple[str, torch.Tensor]]
 _LAYERS = "decoder.layers."

@@ -171,7 +171,7 @@ MEGATRON = Backend(
     grad_reduce=GradReduce.OVERLAPPED_BUCKETS,
     checkpoint_format="megatron-core dist_checkpointing, fully reshardable (loads at any dp/tp/pp)",
     async_save=True,
-    hf_weights=("safetensors",),  # read into each rank's chunks at any layout (toolkit.interop.hf_weights)
+    hf_weights=("safetensors",),  # read into each rank's chunks at any layout (toolkit.families.hf_weights)
     megatron_lm_entry=True,
     dist_init_weights=True,  # megatron_backend's setup loads or saves them
     # Context parallel, sequence parallel and sliding windows run without TE (toolkit.train's local spec).

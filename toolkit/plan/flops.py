@@ -19,8 +19,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from toolkit.config.schema import ModelConfig
-from toolkit.plan.params import head_dim, kv_heads
+from toolkit.config.schema import ModelConfig, head_dim, kv_heads
 
 
 def _forward_per_token(m: ModelConfig, seq_length: int, vocab: int, causal: bool) -> tuple[float, float, float]:

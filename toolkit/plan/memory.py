@@ -24,10 +24,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from toolkit.config.schema import Config, ModelConfig
+from toolkit.config.schema import Config, ModelConfig, head_dim, kv_heads
 from toolkit.plan.backends import Backend, GradReduce, backend_named, backend_of
 from toolkit.plan.layout import Layout
-from toolkit.plan.params import head_dim, kv_heads, layer_params, stage_params
+from toolkit.plan.params import layer_params, stage_params
 
 GIB = 1024**3
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # fp8 keeps bf16 weights/activations

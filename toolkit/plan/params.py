@@ -17,15 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from toolkit.config.schema import ModelConfig
-
-
-def head_dim(m: ModelConfig) -> int:
-    return m.head_dim or m.hidden_size // m.num_attention_heads
-
-
-def kv_heads(m: ModelConfig) -> int:
-    return m.num_kv_heads or m.num_attention_heads
+from toolkit.config.schema import ModelConfig, head_dim, kv_heads
 
 
 def _norm(m: ModelConfig) -> int:

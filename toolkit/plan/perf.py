@@ -33,7 +33,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from toolkit.config.schema import Config
+from toolkit.config.schema import Config, head_dim, kv_heads
 from toolkit.plan.backends import Backend, GradReduce, backend_of
 from toolkit.plan.collectives import link_gbs, overlapped, p2p_time, ring_time
 from toolkit.plan.flops import step_flops
@@ -50,7 +50,7 @@ from toolkit.plan.kernels import (
 )
 from toolkit.plan.layout import Layout
 from toolkit.plan.memory import DTYPE_BYTES
-from toolkit.plan.params import all_stage_params, head_dim, kv_heads
+from toolkit.plan.params import all_stage_params
 
 # ZeRO-3 prefetches parameters one or two layers ahead: gathers hide under at most half of the
 # compute (assumption), and share the link with the gradient reduce-scatters.

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Callable, Iterator
 
 from toolkit.config.schema import TOKENIZER_VOCAB, Config, DataName
+from toolkit.families import hf_config
 from toolkit.formats import hf_arch, hf_files
 from toolkit.formats.manifest import manifest_path, parse_blend, read_manifest
 from toolkit.plan.backends import Package, backend_of, packages_needed, supporting
@@ -275,7 +276,7 @@ def _hf_path(cfg: Config) -> Iterator[Violation]:
     if not m.hf_path:
         return
     try:
-        diff = hf_arch.mismatches(m, m.hf_path)
+        diff = hf_config.mismatches(m, m.hf_path)
     except hf_arch.HfConfigError as e:
         what, _, fix = str(e).partition("; ")
         yield _err("hf_path", {"model.hf_path": m.hf_path}, what.removeprefix(f"model.hf_path={m.hf_path}: "), fix)
@@ -284,8 +285,8 @@ def _hf_path(cfg: Config) -> Iterator[Violation]:
         yield _err(
             "hf_path_architecture",
             {"model.hf_path": m.hf_path, **{f"model.{name}": ours for name, (ours, _) in diff.items()}},
-            f"its config.json describes another model (configured vs config.json): {hf_arch.describe(diff)}",
-            hf_arch.MISMATCH_FIX.format(path=m.hf_path),
+            f"its config.json describes another model (configured vs config.json): {hf_config.describe(diff)}",
+            hf_config.MISMATCH_FIX.format(path=m.hf_path),
         )
 
 

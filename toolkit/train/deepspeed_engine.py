@@ -47,11 +47,11 @@ def build_hf_model(cfg: Config, ds_json: dict, deepspeed):
     zero3_config = None
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
-    from toolkit.interop.hf import check_hf_matches, hf_config
+    from toolkit.families.hf_config import check_matches, hf_config
 
     config = hf_config(cfg.model)
     if cfg.model.hf_path:
-        check_hf_matches(cfg.model, cfg.model.hf_path)
+        check_matches(cfg.model, cfg.model.hf_path)
     model_class = MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
     if cfg.zero.stage == 3:
         # transformers' DeepSpeed integration: with this object alive, from_config/from_pretrained

@@ -14,6 +14,7 @@ import torch
 from torch import nn
 
 from toolkit.config.schema import Config
+from toolkit.families import family_of
 from toolkit.plan.layout import Layout
 from toolkit.train import deepspeed_engine
 from toolkit.train.data import build_datasets, eval_batches, micro_batches
@@ -59,18 +60,11 @@ class HeadPipe(nn.Module):
 
 def pipeline_layers(model, family: str) -> list[nn.Module]:
     """The transformers model, cut into the sequence a PipelineModule partitions."""
-    if family == "gpt2":
-        body = model.transformer
-        return [
-            EmbeddingPipe(body.wte, body.wpe),
-            *[DecoderPipe(block) for block in body.h],
-            HeadPipe(body.ln_f, model.lm_head),
-        ]
-    body = model.model
+    parts = family_of(family).pipeline_parts(model)
     return [
-        EmbeddingPipe(body.embed_tokens),
-        *[DecoderPipe(layer, body.rotary_emb) for layer in body.layers],
-        HeadPipe(body.norm, model.lm_head),
+        EmbeddingPipe(parts.tokens, parts.positions),
+        *[DecoderPipe(layer, parts.rotary) for layer in parts.layers],
+        HeadPipe(parts.norm, parts.head),
     ]
 
 
@@ -78,15 +72,9 @@ def hf_parameter_name(m, index: int, key: str) -> str | None:
     """The transformers name of parameter `key` of layer `index` of pipeline_layers(model) (what
     a pipeline checkpoint's layer_XX-model_states.pt files hold); None for what every decoder
     layer shares that is no parameter of the model (the rotary module's buffers)."""
-    if m.family == "gpt2":
-        first = {"tokens.weight": "transformer.wte.weight", "positions.weight": "transformer.wpe.weight"}
-        last = {"norm.weight": "transformer.ln_f.weight", "norm.bias": "transformer.ln_f.bias"}
-        body = "transformer.h"
-    else:
-        first, last = {"tokens.weight": "model.embed_tokens.weight"}, {"norm.weight": "model.norm.weight"}
-        body = "model.layers"
-    last["head.weight"] = "lm_head.weight"
+    family = family_of(m.family)
     if index in (0, m.num_layers + 1):
+        first, last = family.pipeline_names()
         names = first if index == 0 else last
         if key not in names:
             raise ValueError(f"pipeline layer {index} holds {key}, which is no parameter of model {m.name}")
@@ -95,7 +83,7 @@ def hf_parameter_name(m, index: int, key: str) -> str | None:
         return None
     if not key.startswith("layer."):
         raise ValueError(f"pipeline layer {index} holds {key}, which is no parameter of model {m.name}")
-    return f"{body}.{index - 1}.{key.removeprefix('layer.')}"
+    return family.layer_prefix(index - 1) + key.removeprefix("layer.")
 
 
 class _PipeLoss:

@@ -6,7 +6,7 @@ The conversion runs in this process at tp = pp = 1: dist_checkpointing stores ev
 global offsets and reshards on load, and the embedding and output layer are saved with
 megatron-core's allow_shape_mismatch (language_module.py, tensor_parallel/layers.py), so a
 vocabulary padded for tp = 1 loads where another tp pads it further (the new rows are zero).
-The weights are read tensor by tensor (toolkit.interop.hf_weights): the process holds the
+The weights are read tensor by tensor (toolkit.families.hf_weights): the process holds the
 model once plus about one tensor, not a second copy of the model (megatron-core's
 dist_checkpointing.save takes the whole sharded state dict at once, so the model itself is held).
 """
@@ -63,7 +63,7 @@ def convert_hf_to_megatron(cfg: Config, output: str | Path) -> dict:
     from megatron.core.tensor_parallel.random import model_parallel_cuda_manual_seed
 
     from toolkit.emit.megatron import megatron_sections
-    from toolkit.interop.hf_weights import load_hf_into_chunks
+    from toolkit.families.hf_weights import load_hf_into_chunks
     from toolkit.plan.layout import resolve
     from toolkit.train.distributed import init_process_group
     from toolkit.train.megatron_model import build_model_chunks

@@ -235,7 +235,7 @@ class MegatronSteps:
         if cfg.train.init_checkpoint:
             _load_weights(chunks, cfg.train.init_checkpoint)
         elif cfg.model.hf_path:
-            from toolkit.interop.hf_weights import load_hf_into_chunks
+            from toolkit.families.hf_weights import load_hf_into_chunks
 
             load_hf_into_chunks(chunks, cfg.model.hf_path, cfg.model)
         if cfg.train.save_init_checkpoint:

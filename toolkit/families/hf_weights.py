@@ -1,5 +1,5 @@
-"""Hugging Face weights (Llama, Qwen2, Mistral, GPT-2) into megatron-core GPTModel chunks at any
-tp/pp/vpp layout, read tensor by tensor.
+"""Hugging Face weights into megatron-core GPTModel chunks at any tp/pp/vpp layout, read tensor by
+tensor; which Hugging Face tensors make a megatron one is the model family's (toolkit.families).
 
 Each rank asks megatron-core what it holds: `chunk.sharded_state_dict()` names every tensor by
 its checkpoint key (layer-stacked, Transformer Engine names: `decoder.layers.self_attention.
@@ -25,9 +25,10 @@ from __future__ import annotations
 import torch
 
 from toolkit.config.schema import ModelConfig
-from toolkit.formats.hf_arch import HfConfigError, check_matches
+from toolkit.families import family_of
+from toolkit.families.hf_config import check_matches
+from toolkit.formats.hf_arch import HfConfigError
 from toolkit.formats.hf_files import weight_files
-from toolkit.plan.params import head_dim, kv_heads
 
 
 class HfTensors:
@@ -75,28 +76,12 @@ class HfTensors:
             return tuple(handle.get_slice(found).get_shape())
 
 
-def _interleave_qkv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, m: ModelConfig) -> torch.Tensor:
-    """[all q; all k; all v] rows -> megatron-core's per-group [q..., k, v] rows (the inverse of
-    toolkit.interop.convert._split_qkv)."""
-    groups, d = kv_heads(m), head_dim(m)
-    rest = q.shape[1:]
-    q = q.reshape(groups, m.num_attention_heads // groups * d, *rest)
-    k, v = k.reshape(groups, d, *rest), v.reshape(groups, d, *rest)
-    return torch.cat([q, k, v], dim=1).reshape(-1, *rest)
-
-
-def _vocab_name(key: str, m: ModelConfig) -> str:
-    """The Hugging Face tensor of the embedding or the output layer (the embedding when tied)."""
-    embedding = "transformer.wte.weight" if m.family == "gpt2" else "model.embed_tokens.weight"
-    return embedding if key == "embedding.word_embeddings.weight" or m.tie_embeddings else "lm_head.weight"
-
-
 def _vocab_part(sh, hf: HfTensors, m: ModelConfig) -> torch.Tensor:
     """This rank's rows of the embedding or output layer that the tokenizer's vocabulary has,
     reading only those rows: the largest tensor of most models, so each of tp ranks on a node
     reads 1/tp of it. The padding rows past them (to make_vocab_size_divisible_by * tp) are left
     to the caller, which zeroes them in the parameter itself (no padded copy)."""
-    name = _vocab_name(sh.key, m)
+    name = family_of(m.family).vocab_name(sh.key, m)
     rows, hidden = hf.shape(name)
     if hidden != sh.global_shape[-1] or rows > sh.global_shape[0]:
         raise HfConfigError(
@@ -108,62 +93,10 @@ def _vocab_part(sh, hf: HfTensors, m: ModelConfig) -> torch.Tensor:
     return hf.get(name, rows=(start, stop), dtype=sh.data.dtype)
 
 
-def _llama_tensor(key: str, layer: int | None, hf: HfTensors, m: ModelConfig) -> torch.Tensor | None:
-    p = f"model.layers.{layer}." if layer is not None else ""
-    kind = key.rsplit(".", 1)[-1]  # weight | bias | layer_norm_weight
-    simple = {
-        "decoder.final_layernorm.weight": "model.norm.weight",
-        "decoder.layers.self_attention.linear_qkv.layer_norm_weight": p + "input_layernorm.weight",
-        "decoder.layers.mlp.linear_fc1.layer_norm_weight": p + "post_attention_layernorm.weight",
-        "decoder.layers.self_attention.linear_proj.weight": p + "self_attn.o_proj.weight",
-        "decoder.layers.self_attention.linear_proj.bias": p + "self_attn.o_proj.bias",
-        "decoder.layers.mlp.linear_fc2.weight": p + "mlp.down_proj.weight",
-        "decoder.layers.mlp.linear_fc2.bias": p + "mlp.down_proj.bias",
-    }
-    if key in simple:
-        return hf.get(simple[key])
-    if key.startswith("decoder.layers.self_attention.linear_qkv."):
-        q, k, v = (hf.get(f"{p}self_attn.{x}_proj.{kind}") for x in "qkv")
-        return _interleave_qkv(q, k, v, m)
-    if key.startswith("decoder.layers.mlp.linear_fc1."):
-        return torch.cat([hf.get(f"{p}mlp.gate_proj.{kind}"), hf.get(f"{p}mlp.up_proj.{kind}")])
-    return None
-
-
-def _gpt2_tensor(key: str, layer: int | None, hf: HfTensors, m: ModelConfig) -> torch.Tensor | None:
-    p = f"transformer.h.{layer}." if layer is not None else ""
-    kind = key.rsplit(".", 1)[-1]
-    norm = "weight" if kind.endswith("weight") else "bias"  # layer_norm_weight / layer_norm_bias
-    simple = {
-        "embedding.position_embeddings.weight": "transformer.wpe.weight",
-        "decoder.final_layernorm.weight": "transformer.ln_f.weight",
-        "decoder.final_layernorm.bias": "transformer.ln_f.bias",
-        f"decoder.layers.self_attention.linear_qkv.layer_norm_{norm}": f"{p}ln_1.{norm}",
-        f"decoder.layers.mlp.linear_fc1.layer_norm_{norm}": f"{p}ln_2.{norm}",
-    }
-    if key in simple:
-        return hf.get(simple[key])
-    conv1d = {  # GPT-2's Conv1D: weight [in, out]
-        "decoder.layers.self_attention.linear_proj.": "attn.c_proj.",
-        "decoder.layers.mlp.linear_fc1.": "mlp.c_fc.",
-        "decoder.layers.mlp.linear_fc2.": "mlp.c_proj.",
-    }
-    for prefix, name in conv1d.items():
-        if key.startswith(prefix):
-            t = hf.get(f"{p}{name}{kind}")
-            return t.t().contiguous() if kind == "weight" else t
-    if key.startswith("decoder.layers.self_attention.linear_qkv."):
-        t = hf.get(f"{p}attn.c_attn.{kind}")
-        t = t.t() if kind == "weight" else t  # [3 * hidden, hidden]: all q, all k, all v
-        return _interleave_qkv(*t.chunk(3, dim=0), m)
-    return None
-
-
 def megatron_tensor(key: str, layer: int | None, hf: HfTensors, m: ModelConfig) -> torch.Tensor:
     """The global megatron-core tensor of checkpoint key `key` (of decoder layer `layer`) built
     from the Hugging Face tensors (the embedding and output layer: _vocab_part)."""
-    build = _gpt2_tensor if m.family == "gpt2" else _llama_tensor
-    t = build(key, layer, hf, m)
+    t = family_of(m.family).megatron_tensor(key, layer, hf, m)
     if t is None:
         raise HfConfigError(
             f"model.hf_path={hf.path}: megatron-core tensor {key!r} has no Hugging Face counterpart for "

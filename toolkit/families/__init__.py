@@ -1,0 +1,21 @@
+"""Model families, one module each: everything parakit knows about one Hugging Face architecture
+(its config.json in and its transformers config out, its weight names and their mapping to
+megatron-core's both ways, how DeepSpeed's pipeline cuts its transformers model) behind the
+interface of toolkit.families.base. Adding a family is one module registered here, its value in
+toolkit.config.schema.Family, and its tests."""
+
+from __future__ import annotations
+
+from toolkit.families.base import Family
+from toolkit.families.gpt2 import GPT2
+from toolkit.families.llama import LLAMA, MISTRAL, QWEN2
+
+FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, QWEN2, MISTRAL, GPT2)}
+
+
+def family_of(name: str) -> Family:
+    """The family registered as `name` (model.family, or config.json's model_type)."""
+    try:
+        return FAMILIES[str(name)]
+    except KeyError:
+        raise ValueError(f"model.family={name} is not a known model family (known: {', '.join(FAMILIES)})") from None

@@ -1,0 +1,108 @@
+"""A Hugging Face directory's config.json as parakit's model fields (through the family its
+model_type names), compared with a configured model; and a configured model as a transformers
+config. Pure Python until hf_config builds the transformers object."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+from toolkit.config.schema import ModelConfig
+from toolkit.families import FAMILIES, family_of
+from toolkit.formats.hf_arch import (
+    ARCHITECTURE,
+    DEFAULT_SEQ_LENGTH,
+    HF_PATH_FIX,
+    LLAMA3_SCALING,
+    HfConfigError,
+    read_config,
+)
+
+
+def hf_config(m: ModelConfig):
+    """The transformers PretrainedConfig of a configured model (its family's configuration class)."""
+    return family_of(m.family).hf_config(m)
+
+
+def model_fields(path: str | os.PathLike | None) -> dict:
+    """The ModelConfig fields of the model in `path` (toolkit.config.schema.ModelConfig names)."""
+    c = read_config(path)
+    family = FAMILIES.get(c.get("model_type"))
+    if family is None:
+        raise HfConfigError(
+            f"model.hf_path={path}: model_type {c.get('model_type')!r} is not supported (supported: "
+            f"{', '.join(FAMILIES)}); choose a model of a supported family"
+        )
+    try:
+        fields = family.fields(c, path)
+    except KeyError as e:
+        raise HfConfigError(f"model.hf_path={path}: config.json has no {e.args[0]!r}; {HF_PATH_FIX}") from None
+    positions = fields["max_position_embeddings"]
+    return {
+        "name": Path(str(path)).expanduser().resolve().name,
+        "family": family.name,
+        "vocab_size": c.get("vocab_size", family.default_vocab_size),
+        "tie_embeddings": bool(c.get("tie_word_embeddings", True)),  # PretrainedConfig's default
+        "init_method_std": float(c.get("initializer_range", 0.02)),
+        "seq_length": min(positions, DEFAULT_SEQ_LENGTH),
+        **fields,
+    }
+
+
+def field(name: str, path) -> object:
+    """One ModelConfig field of the model in `path` (the `${hf:FIELD,PATH}` resolver); a nested
+    field as `rope_scaling.factor`."""
+    value = model_fields(path)
+    for part in name.split("."):
+        value = value[part]
+    return value
+
+
+def _same(ours, theirs) -> bool:
+    if isinstance(theirs, dict):
+        return isinstance(ours, dict) and ours.keys() == theirs.keys() and all(_same(ours[k], theirs[k]) for k in ours)
+    if isinstance(theirs, float) or isinstance(ours, float):
+        return ours is not None and theirs is not None and abs(float(ours) - float(theirs)) <= 1e-9 * abs(theirs)
+    return str(ours) == str(theirs)
+
+
+def mismatches(model, path) -> dict[str, tuple]:
+    """{field: (configured, in config.json)} for each architecture field where the configured
+    model (a ModelConfig) differs from the directory's; {} when they agree."""
+    theirs = model_fields(path)
+    ours = {name: getattr(model, name) for name in ARCHITECTURE}
+    heads = model.num_attention_heads
+    ours["num_kv_heads"] = model.num_kv_heads or heads  # None means as many as heads
+    ours["head_dim"] = model.head_dim or model.hidden_size // heads
+    theirs["num_kv_heads"] = theirs["num_kv_heads"] or theirs["num_attention_heads"]
+    theirs["head_dim"] = theirs["head_dim"] or theirs["hidden_size"] // theirs["num_attention_heads"]
+    if theirs["position_embedding"] != "rope":
+        ours.pop("rotary_base")
+    scaling = model.rope_scaling
+    ours["rope_scaling"] = (
+        {"type": str(scaling.type), **{f: getattr(scaling, f) for f in LLAMA3_SCALING.values()}}
+        if scaling.type == "llama3"
+        else {"type": "none"}
+    )
+    if theirs["rope_scaling"]["type"] == "none":
+        theirs["rope_scaling"] = {"type": "none"}
+    differ = [name for name in ARCHITECTURE if name in ours and not _same(ours[name], theirs[name])]
+    return {name: (ours[name], theirs[name]) for name in differ}
+
+
+def describe(diff: dict[str, tuple]) -> str:
+    """`model.FIELD=configured vs in config.json, ...`"""
+    return ", ".join(f"model.{name}={a} vs {b}" for name, (a, b) in diff.items())
+
+
+MISMATCH_FIX = "use model=hf model.hf_path={path} (reads the architecture from config.json), or set those fields"
+
+
+def check_matches(model, path) -> None:
+    """Refuse a configured model whose architecture differs from the one in `path`."""
+    diff = mismatches(model, path)
+    if diff:
+        raise HfConfigError(
+            f"model.hf_path={path} holds another architecture than model={model.name} (configured vs "
+            f"config.json): {describe(diff)}. " + MISMATCH_FIX.format(path=path).capitalize()
+        )
