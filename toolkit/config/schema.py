@@ -179,6 +179,53 @@ def plain(value: Any) -> Any:
     return value
 
 
+@dataclass(frozen=True)
+class Bounds:
+    """The values a number field may take, kept with the field (its metadata) and checked by the
+    validator's range rules (toolkit.plan.rules.ranges), which report `message` and `fix` ({path}:
+    the field's path). An unset (null) field is not checked."""
+
+    message: str
+    fix: str
+    min: float | None = None  # inclusive; nan and inf are the finite rule's
+    below: float | None = None  # exclusive
+    above: float | None = None  # exclusive, and -inf is below it
+    choices: tuple | None = None
+    rule: str = "range"
+
+
+def _bounded(default, bounds: Bounds):
+    return field(default=default, metadata={"bounds": bounds})
+
+
+def at_least_one(default):
+    return _bounded(default, Bounds("must be a positive integer", "set {path} >= 1", min=1))
+
+
+def non_negative(default):
+    return _bounded(default, Bounds("must not be negative", "set {path} >= 0", min=0))
+
+
+def positive_or_null(default):
+    return _bounded(default, Bounds("must be positive (null turns it off)", "set {path} > 0, or null", above=0))
+
+
+def dropout(default):
+    return _bounded(default, Bounds("a dropout rate lies in [0, 1)", "use 0.0 to 0.1", min=0, below=1))
+
+
+def beta(default):
+    return _bounded(
+        default, Bounds("an Adam beta lies in [0, 1)", "set {path}=0.9 (beta1) or 0.95 (beta2)", min=0, below=1)
+    )
+
+
+def zero_stage(default):
+    return _bounded(
+        default, Bounds("ZeRO has stages 0-3", "use zero=0, 1, 2 or 3", choices=(0, 1, 2, 3), rule="choice")
+    )
+
+
 @dataclass
 class RopeScalingConfig:
     """Long-context RoPE scaling, as Hugging Face's `rope_parameters` / config.json `rope_scaling`.
@@ -204,19 +251,19 @@ class ModelConfig:
     name: str = "tiny"
     family: Family = Family.llama  # the Hugging Face architecture it maps to
     sliding_window: Optional[int] = None  # mistral: attend to the last N tokens only (this one included)
-    num_layers: int = 8
-    hidden_size: int = 64
-    num_attention_heads: int = 4
-    num_kv_heads: Optional[int] = None  # None: multi-head attention (kv heads = heads)
-    head_dim: Optional[int] = None  # None: hidden_size / num_attention_heads
-    ffn_hidden_size: int = 256
-    vocab_size: int = 50257
+    num_layers: int = at_least_one(8)
+    hidden_size: int = at_least_one(64)
+    num_attention_heads: int = at_least_one(4)
+    num_kv_heads: Optional[int] = at_least_one(None)  # None: multi-head attention (kv heads = heads)
+    head_dim: Optional[int] = at_least_one(None)  # None: hidden_size / num_attention_heads
+    ffn_hidden_size: int = at_least_one(256)
+    vocab_size: int = at_least_one(50257)
     # Megatron pads the embedding to a multiple of this times tp (--make-vocab-size-divisible-by).
-    make_vocab_size_divisible_by: int = 128
-    seq_length: int = 128  # training sequence length
-    max_position_embeddings: int = 128  # the longest sequence the model supports
+    make_vocab_size_divisible_by: int = non_negative(128)
+    seq_length: int = at_least_one(128)  # training sequence length
+    max_position_embeddings: int = at_least_one(128)  # the longest sequence the model supports
     normalization: Normalization = Normalization.RMSNorm
-    norm_epsilon: float = 1e-5
+    norm_epsilon: float = non_negative(1e-5)
     activation: Activation = Activation.swiglu
     position_embedding: PositionEmbedding = PositionEmbedding.rope
     rotary_base: float = 10000.0  # RoPE's theta (HF rope_theta)
@@ -224,9 +271,9 @@ class ModelConfig:
     tie_embeddings: bool = False
     add_bias_linear: bool = False
     add_qkv_bias: bool = False
-    init_method_std: float = 0.02
-    hidden_dropout: float = 0.0
-    attention_dropout: float = 0.0
+    init_method_std: float = non_negative(0.02)
+    hidden_dropout: float = dropout(0.0)
+    attention_dropout: float = dropout(0.0)
     # A local Hugging Face model directory (config.json + safetensors) whose weights training
     # starts from, on either backend (train.init_checkpoint, when set, replaces them); its
     # architecture must match the fields above. model=hf reads those fields from its config.json.
@@ -245,16 +292,16 @@ def kv_heads(m: ModelConfig) -> int:
 
 @dataclass
 class ParallelConfig:
-    tp: int = 1  # tensor parallel size
-    pp: int = 1  # pipeline parallel size
-    vpp: int = 1  # virtual pipeline stages per pipeline rank (interleaved 1F1B when > 1)
-    dp: Optional[int] = None  # data parallel size; derived from the world size when left out
-    cp: int = 1  # context parallel size (megatron backend)
+    tp: int = at_least_one(1)  # tensor parallel size
+    pp: int = at_least_one(1)  # pipeline parallel size
+    vpp: int = at_least_one(1)  # virtual pipeline stages per pipeline rank (interleaved 1F1B when > 1)
+    dp: Optional[int] = at_least_one(None)  # data parallel size; derived from the world size when left out
+    cp: int = at_least_one(1)  # context parallel size (megatron backend)
     cp_comm_type: CpCommType = CpCommType.p2p
     # Uneven pipeline: layers on the first / last stage (the rest split evenly over the middle
     # stages), e.g. Llama 3 405B's 126 layers on 16 stages as 7 + 14 x 8 + 7.
-    first_stage_layers: Optional[int] = None
-    last_stage_layers: Optional[int] = None
+    first_stage_layers: Optional[int] = at_least_one(None)
+    last_stage_layers: Optional[int] = at_least_one(None)
     sequence_parallel: bool = False  # Megatron sequence parallel (needs tp > 1)
     # Overlap tensor parallel's all-gathers and reduce-scatters with the GEMMs that use them
     # (megatron-core's tp_comm_overlap: Transformer Engine's userbuffers, CUDA, sequence parallel).
@@ -265,7 +312,7 @@ class ParallelConfig:
 class ZeroConfig:
     """ZeRO stage. On the megatron backend stage 1 is Megatron's distributed optimizer."""
 
-    stage: int = 1
+    stage: int = zero_stage(1)
     offload_optimizer: Offload = Offload.none
     offload_param: Offload = Offload.none  # stage 3 only
     nvme_path: Optional[str] = None
@@ -284,11 +331,11 @@ class PrecisionConfig:
     dtype: Dtype = Dtype.bf16  # conf/precision/auto.yaml (the default) takes cluster.default_dtype
     # fp16 needs loss scaling: dynamic (recommended), static (loss_scale), or none.
     loss_scaling: LossScaling = LossScaling.dynamic
-    loss_scale: float = 1.0  # static scale, used when loss_scaling=static
+    loss_scale: float = non_negative(1.0)  # static scale, used when loss_scaling=static
     initial_scale_power: int = 16  # dynamic: start at 2**power
-    loss_scale_window: int = 1000
-    hysteresis: int = 2
-    min_loss_scale: float = 1.0
+    loss_scale_window: int = non_negative(1000)
+    hysteresis: int = non_negative(2)
+    min_loss_scale: float = non_negative(1.0)
     fp8_format: Fp8Format = Fp8Format.hybrid
     grad_reduce_in_fp32: bool = True
 
@@ -297,26 +344,26 @@ class PrecisionConfig:
 class RecomputeConfig:
     granularity: RecomputeGranularity = RecomputeGranularity.none
     method: RecomputeMethod = RecomputeMethod.uniform  # full only (Megatron --recompute-method)
-    num_layers: int = 1  # full only: layers per recompute chunk (uniform) or per stage (block)
+    num_layers: int = non_negative(1)  # full only: layers per recompute chunk (uniform) or per stage (block)
     modules: list[RecomputeModule] = field(default_factory=lambda: [RecomputeModule.core_attn])  # selective only
 
 
 @dataclass
 class OptimConfig:
     name: OptimizerName = OptimizerName.adamw
-    lr: float = 3e-4
-    min_lr: float = 3e-5
-    beta1: float = 0.9
-    beta2: float = 0.95
-    eps: float = 1e-8
-    weight_decay: float = 0.1
-    clip_grad: float = 1.0
-    warmup_steps: int = 100
+    lr: float = non_negative(3e-4)
+    min_lr: float = non_negative(3e-5)
+    beta1: float = beta(0.9)
+    beta2: float = beta(0.95)
+    eps: float = non_negative(1e-8)
+    weight_decay: float = non_negative(0.1)
+    clip_grad: float = non_negative(1.0)
+    warmup_steps: int = non_negative(100)
     decay_style: DecayStyle = DecayStyle.cosine
-    decay_steps: Optional[int] = None  # None: decay over all training steps
+    decay_steps: Optional[int] = non_negative(None)  # None: decay over all training steps
     # Rescaling rule when the global batch differs from the batch lr/warmup were tuned at.
     lr_scaling: LrScaling = LrScaling.none
-    reference_global_batch: Optional[int] = None
+    reference_global_batch: Optional[int] = non_negative(None)
 
 
 @dataclass
@@ -344,20 +391,20 @@ class FaultConfig:
 
 @dataclass
 class TrainConfig:
-    global_batch: int = 16  # sequences per optimizer step, over all data-parallel ranks
-    micro_batch: int = 1  # sequences per rank per forward/backward
-    grad_accum: Optional[int] = None  # derived: global_batch / (micro_batch * dp)
-    steps: Optional[int] = 50  # optimizer steps (or give tokens)
-    tokens: Optional[int] = None  # total training tokens; sets steps when steps is null
+    global_batch: int = at_least_one(16)  # sequences per optimizer step, over all data-parallel ranks
+    micro_batch: int = at_least_one(1)  # sequences per rank per forward/backward
+    grad_accum: Optional[int] = at_least_one(None)  # derived: global_batch / (micro_batch * dp)
+    steps: Optional[int] = at_least_one(50)  # optimizer steps (or give tokens)
+    tokens: Optional[int] = at_least_one(None)  # total training tokens; sets steps when steps is null
     # Stop after this many steps while the learning-rate schedule still spans train.steps (a short
     # look at a long run, as Megatron-LM's --exit-interval): saved at the stop when checkpointing.
-    stop_after_steps: Optional[int] = None
+    stop_after_steps: Optional[int] = at_least_one(None)
     seed: int = 1234
-    log_interval: int = 1
+    log_interval: int = at_least_one(1)
     # Validation loss every N steps (and after the last) on the validation part of data.split:
     # the same eval_iters global batches each time, so that the values compare. null: none.
-    eval_interval: Optional[int] = None
-    eval_iters: int = 10
+    eval_interval: Optional[int] = at_least_one(None)
+    eval_iters: int = at_least_one(10)
     # flash: fused attention kernels that store no s^2 scores (FlashAttention, cuDNN);
     # unfused: QK^T, softmax and AV as separate kernels (pre-2023 Megatron, eager PyTorch on CPU).
     attention_backend: AttentionBackend = AttentionBackend.flash
@@ -418,9 +465,9 @@ class ClusterConfig:
     # The precision when none is given (conf/precision/auto.yaml): bf16 where the accelerator has
     # it, fp32 on CPU and on GPUs before bf16 (V100).
     default_dtype: Dtype = Dtype.fp32
-    nodes: int = 1
-    gpus_per_node: int = 4  # on CPU: processes per node
-    gpu_memory_gb: float = 4.0
+    nodes: int = at_least_one(1)
+    gpus_per_node: int = at_least_one(4)  # on CPU: processes per node
+    gpu_memory_gb: float = non_negative(4.0)
     # Dense peak throughput per device, TFLOP/s (vendor datasheet, no sparsity).
     peak_tflops_bf16: float = 0.5
     peak_tflops_fp16: float = 0.0
@@ -456,7 +503,7 @@ class ClusterConfig:
     # Streaming multiprocessors of one GPU (NVIDIA whitepapers: V100 80, A100 108, H100/H200 SXM
     # 132): a GEMM's output tiles run in waves of this many (toolkit.plan.kernels.wave_efficiency).
     # null (CPU): GEMMs follow the gemm_half_size saturation curve.
-    sm_count: Optional[int] = None
+    sm_count: Optional[int] = at_least_one(None)
     # Fixed time every optimizer step costs beside its modelled work (framework and Python
     # dispatch, kernel launches, synchronisation): 0 for a datasheet cluster, fitted by
     # `parakit calibrate` from a measured sweep.
@@ -489,7 +536,7 @@ class DataConfig:
     tokenizer: Tokenizer = Tokenizer.gpt2  # for a prefix without a manifest
     split: str = "98,2,0"  # train,valid,test shares of the documents (Megatron-LM's --split)
     # DataLoader processes per rank making micro-batches ahead of the step; null: 2 on GPUs, 0 on CPU.
-    num_workers: Optional[int] = None
+    num_workers: Optional[int] = non_negative(None)
 
 
 class CheckpointVerify(StrEnum):
@@ -503,11 +550,11 @@ class CheckpointVerify(StrEnum):
 @dataclass
 class CheckpointConfig:
     dir: Optional[str] = None  # default: <run directory>/checkpoints
-    interval_steps: Optional[int] = None  # save every N steps
-    interval_minutes: Optional[float] = None  # or every N minutes of wall time
+    interval_steps: Optional[int] = at_least_one(None)  # save every N steps
+    interval_minutes: Optional[float] = positive_or_null(None)  # or every N minutes of wall time
     # or the planner's rule (Daly's interval, capped by the rework bound) with the measured save time
     auto_interval: bool = False
-    keep_last: int = 3
+    keep_last: int = at_least_one(3)
     # megatron backend: write the shards from a forked process while training goes on
     # (megatron-core's asynchronous dist_checkpointing save); published when the writes are done.
     async_save: bool = False

@@ -1,0 +1,91 @@
+"""The validator's rules as data: value bounds kept in the schema's field metadata, and the
+backend capabilities as a table read from the backend descriptions. Each rule's own reject and
+accept cases are in test_validate.py; here, that the tables are complete and each entry acts."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import pytest
+import test_validate
+
+from toolkit.config.schema import Bounds, Config
+from toolkit.plan import backends
+from toolkit.plan.rules import capabilities
+from toolkit.plan.validate import validate
+
+
+def bounded_fields(section=Config, prefix=""):
+    """(path, Bounds) of every field of the configuration that declares bounds."""
+    for f in dataclasses.fields(section):
+        default = f.default_factory() if f.default_factory is not dataclasses.MISSING else f.default
+        if dataclasses.is_dataclass(default):
+            yield from bounded_fields(type(default), f"{prefix}{f.name}.")
+        elif "bounds" in f.metadata:
+            yield f"{prefix}{f.name}", f.metadata["bounds"]
+
+
+def outside(b: Bounds) -> list:
+    """A value just outside each side of the bounds."""
+    if b.choices is not None:
+        return [max(b.choices) + 1, min(b.choices) - 1]
+    sides = [b.min - 1 if b.min is not None else None, b.below, b.above]
+    return [value for value in sides if value is not None]
+
+
+OUTSIDE = [(path, bounds, value) for path, bounds in bounded_fields() for value in outside(bounds)]
+
+
+def test_the_schema_declares_the_bounds_of_the_fields_the_range_rules_check():
+    paths = dict(bounded_fields())
+    assert len(paths) >= 50
+    assert {"parallel.tp", "train.global_batch", "optim.lr", "model.hidden_dropout", "zero.stage"} <= set(paths)
+
+
+@pytest.mark.parametrize("path,bounds,value", OUTSIDE, ids=[f"{p}={v}" for p, _, v in OUTSIDE])
+def test_a_value_outside_a_fields_bounds_is_refused_by_name(compose, path, bounds, value):
+    report = validate(compose("checks.memory=off", f"{path}={value}"))
+    hits = [v for v in report.errors if v.rule == bounds.rule and path in v.fields]
+    assert hits, f"{path}={value}: {report}"
+    assert hits[0].message == bounds.message and hits[0].fix == bounds.fix.format(path=path)
+
+
+def test_every_capability_has_a_reject_case():
+    cased = {rule for rule, *_ in test_validate.ERROR_CASES} | {rule for rule, *_ in CASES}
+    cased.add("hf_path_backend")  # no backend lacks it: the last test here gives one a description without
+    for capability in capabilities.CAPABILITIES:
+        pattern = re.compile(capability.rule.replace("{b}", "(megatron|deepspeed)").replace("{dtype}", "fp8") + "$")
+        assert any(pattern.match(rule) for rule in cased), f"no reject case for {capability.rule}"
+
+
+# Capabilities test_validate.py has no case for: (rule, bad, good, field).
+CASES = [
+    (
+        "uneven_pipeline_backend",
+        ["backend=deepspeed", "parallel.pp=2", "parallel.first_stage_layers=2"],
+        ["backend=megatron", "parallel.pp=2", "parallel.first_stage_layers=2"],
+        "parallel.first_stage_layers",
+    ),
+]
+
+
+@pytest.mark.parametrize("rule,bad,good,field", CASES, ids=[c[0] for c in CASES])
+def test_capability_rejects_with_field_and_fix(compose, rule, bad, good, field):
+    hits = [v for v in validate(compose("checks.memory=off", *bad)).errors if v.rule == rule]
+    assert hits and field in hits[0].fields and "Fix: " in str(hits[0])
+    assert validate(compose("checks.memory=off", *good)).ok
+
+
+def test_a_backend_without_hugging_face_weights_refuses_model_hf_path(compose, tmp_path, monkeypatch):
+    """No backend lacks Hugging Face weights today: a description without them shows the entry
+    acts, and its fix names the backends that have them."""
+    (tmp_path / "config.json").write_text("{}")
+    cfg = compose("checks.memory=off", f"model.hf_path={tmp_path}")
+    without = dataclasses.replace(backends.backend_of(cfg), hf_weights=())
+    monkeypatch.setattr(capabilities, "backend_of", lambda cfg: without)
+    hits = [v for v in capabilities.backend(cfg) if v.rule == "hf_path_backend"]
+    assert len(hits) == 1 and hits[0].fields == {"model.hf_path": str(tmp_path), "backend.name": "megatron"}
+    assert "backend=megatron or backend=deepspeed" in hits[0].fix
+    monkeypatch.undo()
+    assert not [v for v in capabilities.backend(cfg) if v.rule == "hf_path_backend"]

@@ -1,0 +1,1 @@
+"""The validator's rules, by theme (toolkit.plan.validate runs them all)."""

@@ -1,0 +1,70 @@
+"""Activation recompute, the optimizer's learning rates, and checkpoint intervals."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from toolkit.config.schema import Config
+from toolkit.plan.layout import stage_layer_counts
+from toolkit.plan.rules.base import Violation, divisors, err, listing
+
+
+def recompute(cfg: Config) -> Iterator[Violation]:
+    r, m, p = cfg.recompute, cfg.model, cfg.parallel
+    counts = stage_layer_counts(m.num_layers, p.pp, p.vpp, p.first_stage_layers, p.last_stage_layers)
+    if r.granularity != "full" or counts is None:
+        return
+    chunk_sizes = sorted({c // p.vpp for c in counts})
+    per_chunk = chunk_sizes[0]
+    fields = {"recompute.method": r.method, "recompute.num_layers": r.num_layers, "layers per model chunk": per_chunk}
+    if r.num_layers < 1:
+        yield err(
+            "recompute_layers",
+            fields,
+            "full recompute needs at least one layer per checkpoint",
+            "set recompute.num_layers=1",
+        )
+    elif r.method == "uniform" and any(size % r.num_layers for size in chunk_sizes):
+        common = [d for d in divisors(per_chunk) if all(size % d == 0 for size in chunk_sizes)]
+        yield err(
+            "recompute_layers",
+            fields,
+            "uniform recompute checkpoints groups of num_layers, which must tile each chunk",
+            f"use recompute.num_layers in {{{listing(common)}}}",
+        )
+    elif r.method == "block" and r.num_layers > per_chunk:
+        yield err(
+            "recompute_layers",
+            fields,
+            "block recompute cannot recompute more layers than a chunk holds",
+            f"use recompute.num_layers<={per_chunk}",
+        )
+
+
+def optim(cfg: Config) -> Iterator[Violation]:
+    o = cfg.optim
+    if o.min_lr > o.lr:
+        yield err(
+            "min_lr",
+            {"optim.lr": o.lr, "optim.min_lr": o.min_lr},
+            "the decay would raise the learning rate",
+            f"set optim.min_lr<={o.lr} (e.g. {o.lr / 10:g})",
+        )
+    if o.lr_scaling != "none" and not o.reference_global_batch:
+        yield err(
+            "lr_reference",
+            {"optim.lr_scaling": o.lr_scaling, "optim.reference_global_batch": o.reference_global_batch},
+            "a rescaling rule needs the batch the learning rate was tuned at",
+            f"set optim.reference_global_batch to that batch (e.g. {cfg.train.global_batch})",
+        )
+
+
+def checkpoint(cfg: Config) -> Iterator[Violation]:
+    c = cfg.checkpoint
+    if c.auto_interval and c.interval_steps:
+        yield err(
+            "checkpoint_interval",
+            {"checkpoint.auto_interval": True, "checkpoint.interval_steps": c.interval_steps},
+            "two save intervals given: the planner's rule picks the interval in steps",
+            "set checkpoint.interval_steps=null, or checkpoint.auto_interval=false",
+        )
