@@ -40,3 +40,72 @@ def test_a_layout_carries_the_dims_its_configuration_resolves_to(compose):
 def test_a_short_form_that_does_not_parse_names_its_part(text, said):
     with pytest.raises(ValueError, match=said):
         parse_degrees(text)
+
+
+@pytest.fixture
+def dummy_dimension():
+    """A dimension parakit does not have, added the way a new one is: an entry in the registry of
+    dimensions and a field in the schema's parallel section (with its bounds). It adds no ranks
+    (as vpp) and has no physics, so memory and step time must not see it."""
+    import dataclasses
+
+    from toolkit.config.schema import ParallelConfig, at_least_one
+    from toolkit.plan.parallel_dims import Dim
+
+    dummy = Dim("xp", "a dimension only this test has", multiplies_world=False)
+    section = dataclasses.make_dataclass("WithXp", [("xp", int, at_least_one(1))], bases=(ParallelConfig,))
+
+    def with_xp(cfg, xp: int):
+        degrees = {f.name: getattr(cfg.parallel, f.name) for f in dataclasses.fields(ParallelConfig)}
+        return dataclasses.replace(cfg, parallel=section(**degrees, xp=xp))
+
+    DIMS.append(dummy)
+    try:
+        yield with_xp
+    finally:
+        DIMS.remove(dummy)
+
+
+def test_a_new_dimension_needs_only_its_entry_and_its_schema_field(compose, dummy_dimension, monkeypatch):
+    """With the registry entry and the schema field alone (the fixture), the new dimension is
+    resolved, labelled, parsed back, put into overrides, range-checked, refused until a backend's
+    description says it trains with it, swept (sweep.csv's columns and a point's row), tabled by
+    `plan` and the report page; the planner's figures ignore it (it has no physics)."""
+    import dataclasses
+
+    from toolkit.plan import backends
+    from toolkit.plan.memory import peak_memory
+    from toolkit.plan.perf import estimate_step
+    from toolkit.plan.report import _columns
+    from toolkit.plan.validate import validate
+    from toolkit.report.load import layout_keys
+    from toolkit.report.page import table
+    from toolkit.report.sweep import _layout_fields, columns
+
+    plain = compose("parallel=tp2_pp2_vpp2")
+    cfg, one = dummy_dimension(plain, 3), dummy_dimension(plain, 1)
+    layout = resolve(cfg)
+    assert layout.dims.xp == 3 and layout.dims.label() == "tp=2 pp=2 vpp=2 cp=1 dp=1 xp=3"
+    assert ParallelDims.parse(layout.dims.short()) == layout.dims and layout.dims.short() == "tp2_pp2_vpp2_xp3"
+    assert "parallel.xp=3" in layout.dims.overrides(derived=("dp",))
+    assert layout.world_size == resolve(one).world_size  # no ranks of its own
+    # which backends train with a dimension is their description's: none does yet
+    (unsupported,) = validate(cfg).errors
+    assert unsupported.rule == "megatron_layout" and unsupported.fix == "set parallel.xp=1: no backend trains with it"
+    megatron = backends.BACKENDS["megatron"]
+    monkeypatch.setitem(
+        backends.BACKENDS, "megatron", dataclasses.replace(megatron, parallel_dims=megatron.parallel_dims | {"xp"})
+    )
+    assert validate(cfg).ok
+    refused = [v for v in validate(dummy_dimension(plain, 0)).errors if v.rule == "range"]
+    assert [list(v.fields) for v in refused] == [["parallel.xp"]]
+    assert "xp" in columns() and _layout_fields(cfg, layout)["xp"] == 3 and "xp" in layout_keys()
+    assert "xp" in _columns() and "xp" in [header for header, _ in table()]
+    assert estimate_step(cfg, layout) == estimate_step(one, resolve(one))
+    assert peak_memory(cfg, layout) == peak_memory(one, resolve(one))
+
+
+def test_the_rank_order_gives_each_groups_stride():
+    """megatron-core's default order, tp innermost, then cp, dp and pp."""
+    dims = ParallelDims(tp=2, pp=4, cp=2, dp=3)
+    assert [dims.stride(n) for n in ("tp", "cp", "dp", "pp")] == [1, 2, 4, 12]

@@ -269,9 +269,9 @@ def _sweep(cfg, opts) -> int:
 
 def _recipe_layout(cfg) -> str:
     """The composed layout as a --layouts name (tp2_pp2_vpp2)."""
-    p = cfg.parallel
-    sizes = {"tp": p.tp, "pp": p.pp, "vpp": p.vpp, "cp": p.cp, "dp": p.dp}
-    return "_".join(f"{k}{v}" for k, v in sizes.items() if v and v > 1) or "dp1"
+    from toolkit.plan.parallel_dims import ParallelDims
+
+    return ParallelDims.of(cfg.parallel, dp=cfg.parallel.dp or 1).short()
 
 
 def _reproduce(cfg, opts) -> int:

@@ -97,10 +97,11 @@ def world_size(cfg: Config) -> int:
 
 
 def derived_dp(cfg: Config) -> int | None:
-    """parallel.dp if given, else world / (tp*pp*cp) when that divides; None when it does not."""
+    """parallel.dp if given, else the world over the ranks one model replica spans (tp*pp*cp) when
+    that divides; None when it does not."""
     if cfg.parallel.dp is not None:
         return cfg.parallel.dp
-    model_parallel = cfg.parallel.tp * cfg.parallel.pp * cfg.parallel.cp
+    model_parallel = ParallelDims.of(cfg.parallel, dp=1).model_parallel_size
     world = world_size(cfg)
     return world // model_parallel if world % model_parallel == 0 else None
 
@@ -170,7 +171,7 @@ def resolve(cfg: Config) -> Layout:
     warmup = rescaled_warmup(o.warmup_steps, o.lr_scaling, t.global_batch, o.reference_global_batch)
     return Layout(
         world_size=world_size(cfg),
-        dims=ParallelDims(tp=p.tp, pp=p.pp, vpp=p.vpp, cp=p.cp, dp=dp),
+        dims=ParallelDims.of(p, dp=dp),
         micro_batch=t.micro_batch,
         global_batch=t.global_batch,
         grad_accum=grad_accum,

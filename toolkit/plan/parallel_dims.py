@@ -2,14 +2,16 @@
 (torchtitan/distributed/parallel_dims.py): each dimension's name, degree and meaning, the world
 they multiply into, one label and the parser of its short form (`tp2_pp2_vpp2`).
 
-Code that must treat every dimension alike (labels, overrides, world size) iterates DIMS; a new
-dimension is a field and an entry here, plus its physics where it acts (memory, step time) and
-the schema field it comes from.
+Code that must treat every dimension alike (labels, overrides, world size, sweep and report
+columns, the validator's world-size and backend-support rules) iterates DIMS; a new dimension is
+an entry here and its field in the schema (toolkit.config.schema.ParallelConfig, with its bounds),
+plus its physics where it acts (memory, step time), what the emitters pass upstream, and which
+backends train with it (toolkit.plan.backends, parallel_dims). Sequence parallel is an option of
+tp, not a degree.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import math
 import re
 from dataclasses import dataclass
@@ -25,37 +27,83 @@ class Dim:
     splits_model: bool = True
 
 
-# In the order labels list them (as Megatron-LM logs a layout: tensor, pipeline, context, data).
-DIMS = (
+# The registry of dimensions, in the order labels list them (as Megatron-LM logs a layout:
+# tensor, pipeline, context, data). Everything that treats the dimensions alike reads it when it
+# runs, so that an entry added here (with its schema field) is labelled, parsed, swept, reported
+# and range-checked without another change (tests/test_parallel_dims.py adds one).
+DIMS: list[Dim] = [
     Dim("tp", "tensor parallel: each layer's weight matrices split over ranks"),
     Dim("pp", "pipeline parallel: the layers split into stages"),
     Dim("vpp", "virtual pipeline: model chunks per pipeline rank (interleaved 1F1B)", multiplies_world=False),
     Dim("cp", "context parallel: the sequence split over ranks for attention"),
     Dim("dp", "data parallel: replicas, each with a share of the global batch", splits_model=False),
-)
+]
+# How the ranks are numbered, innermost first, as megatron-core's default
+# (parallel_state.initialize_model_parallel, order="tp-cp-ep-dp-pp"): consecutive ranks form a
+# tensor-parallel group, then context, data and pipeline groups over ever larger strides. vpp
+# adds no ranks. A dimension that multiplies the world takes its place here.
+RANK_ORDER = ("tp", "cp", "dp", "pp")
 _SHORT = re.compile(r"^([a-z]+?)(\d+)$")
 
 
-@dataclass(frozen=True)
-class ParallelDims:
-    tp: int = 1
-    pp: int = 1
-    vpp: int = 1
-    cp: int = 1
-    dp: int = 1
+def _rebuilt(degrees: dict) -> ParallelDims:  # unpickling and copying
+    return ParallelDims(**degrees)
 
-    def __post_init__(self):
-        names = [f.name for f in dataclasses.fields(self)]
-        if names != [d.name for d in DIMS]:  # one list of dimensions: the fields are DIMS
-            raise TypeError(f"ParallelDims fields {names} differ from DIMS {[d.name for d in DIMS]}")
+
+class ParallelDims:
+    """The degree of every dimension of DIMS (1 where not given), read as attributes (`dims.tp`).
+    Immutable and hashable; built from DIMS when created, so a dimension added there is carried
+    everywhere a layout goes."""
+
+    __slots__ = ("_degrees",)
+
+    def __init__(self, **degrees: int):
+        names = [d.name for d in DIMS]
+        unknown = sorted(set(degrees) - set(names))
+        if unknown:
+            raise TypeError(f"no parallel dimension {', '.join(unknown)} (the dimensions: {', '.join(names)})")
+        object.__setattr__(self, "_degrees", tuple((name, int(degrees.get(name, 1))) for name in names))
+
+    @classmethod
+    def of(cls, parallel, dp: int) -> ParallelDims:
+        """The degrees a configuration's `parallel` section gives (its fields are named as DIMS),
+        with dp resolved (the section may leave it to the world size)."""
+        return cls(**{d.name: getattr(parallel, d.name) for d in DIMS if d.name != "dp"}, dp=dp)
+
+    def __getattr__(self, name: str) -> int:
+        for dim, degree in object.__getattribute__(self, "_degrees"):
+            if dim == name:
+                return degree
+        raise AttributeError(f"no parallel dimension {name!r}")
+
+    def __setattr__(self, name, value):
+        raise AttributeError("ParallelDims is immutable")
+
+    def __eq__(self, other) -> bool:
+        return isinstance(other, ParallelDims) and self._degrees == other._degrees
+
+    def __hash__(self) -> int:
+        return hash(self._degrees)
+
+    def __reduce__(self):
+        return _rebuilt, (dict(self._degrees),)
+
+    def __repr__(self) -> str:
+        return f"ParallelDims({', '.join(f'{n}={d}' for n, d in self._degrees)})"
 
     def items(self) -> list[tuple[str, int]]:
         """(name, degree) of every dimension, in DIMS order."""
-        return [(d.name, getattr(self, d.name)) for d in DIMS]
+        return list(self._degrees)
 
     @property
     def world_size(self) -> int:
         return math.prod(getattr(self, d.name) for d in DIMS if d.multiplies_world)
+
+    def stride(self, name: str) -> int:
+        """How far apart the ranks of one `name` group are: the product of the degrees numbered
+        inside it (RANK_ORDER). A group of the cp x dp ranks starts at cp's stride."""
+        inner = RANK_ORDER[: RANK_ORDER.index(name)]
+        return math.prod(getattr(self, n) for n in inner)
 
     @property
     def model_parallel_size(self) -> int:

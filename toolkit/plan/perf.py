@@ -171,7 +171,13 @@ def _context_parallel_comm(cfg: Config, layout: Layout, r: Rates, tokens: int, a
     if cp <= 1:
         return 0.0
     kv = kv_heads(m) * head_dim(m)
-    kv_pass = ring_time(cp * tokens * 2 * kv / tp * r.nbytes, cp, link_gbs(cfg, cp, tp), 1.0, c.collective_latency_s)
+    kv_pass = ring_time(
+        cp * tokens * 2 * kv / tp * r.nbytes,
+        cp,
+        link_gbs(cfg, cp, layout.dims.stride("cp")),
+        1.0,
+        c.collective_latency_s,
+    )
     if c.device == "cpu":  # toolkit.train's SdpaAttention: K/V all-gathered once (autograd keeps
         # them), their gradients reduce-scattered
         return 2 * kv_pass
@@ -206,7 +212,9 @@ def layer_cost(cfg: Config, layout: Layout, backend: Backend, r: Rates, stack) -
         compute += core_fwd
 
     collectives = 4 + (2 if recompute == "full" else 0)
-    tp_collective = ring_time(tokens * h * r.nbytes, tp, link_gbs(cfg, tp, 1), 2.0, c.collective_latency_s)
+    tp_collective = ring_time(
+        tokens * h * r.nbytes, tp, link_gbs(cfg, tp, layout.dims.stride("tp")), 2.0, c.collective_latency_s
+    )
     tp_comm = collectives * tp_collective
     if p.tp_comm_overlap:  # Transformer Engine's userbuffers split each GEMM and exchange the chunks
         # of its all-gather / reduce-scatter while the other chunks compute (megatron-core
@@ -229,7 +237,7 @@ def logits_cost(cfg: Config, layout: Layout, backend: Backend, r: Rates, stack) 
         + backend.loss_fresh_logits * fresh_time(cfg, logit_bytes)
     )
     # the vocab-parallel loss's max, target logit and sum
-    comm = 3 * ring_time(tokens * 4, tp, link_gbs(cfg, tp, 1), 2.0, c.collective_latency_s)
+    comm = 3 * ring_time(tokens * 4, tp, link_gbs(cfg, tp, layout.dims.stride("tp")), 2.0, c.collective_latency_s)
     return compute, comm
 
 
@@ -251,13 +259,13 @@ def pipeline_comm(cfg: Config, layout: Layout, r: Rates, compute: float) -> floa
     """Point-to-point sends of a step: activations forward, gradients backward, per chunk boundary;
     under sequence parallel each GPU sends its seq/tp share (megatron-core
     pipeline_parallel/schedules.py, get_tensor_shapes)."""
-    tp, pp, vpp, cp, dp = layout.tp, layout.pp, layout.vpp, layout.cp, layout.dp
+    tp, pp, vpp, cp = layout.tp, layout.pp, layout.vpp, layout.cp
     if pp <= 1:
         return 0.0
     tokens = layout.micro_batch * layout.seq_length // cp
     num_mb = layout.num_microbatches
     sent = tokens // (tp if cfg.parallel.sequence_parallel else 1) * cfg.model.hidden_size * r.nbytes
-    sends = num_mb * vpp * 2 * p2p_time(cfg, sent, link_gbs(cfg, pp, tp * cp * dp))
+    sends = num_mb * vpp * 2 * p2p_time(cfg, sent, link_gbs(cfg, pp, layout.dims.stride("pp")))
     if vpp > 1 and cfg.cluster.device == "cuda":  # megatron-core overlap_p2p_comm (toolkit.emit.megatron)
         # Sends of the steady state wait under the next chunk's compute; those of the warm-up
         # and the flush wait alone (overlap_p2p_comm_warmup_flush off). The first stage warms
@@ -274,7 +282,7 @@ def data_parallel_comm(cfg: Config, layout: Layout, backend: Backend, params: in
     ZeRO 0/1), or every micro-batch (ZeRO-2/3)."""
     c, nbytes = cfg.cluster, DTYPE_BYTES[cfg.precision.dtype]
     shard, num_mb = layout.dp * layout.cp, layout.num_microbatches
-    bw = link_gbs(cfg, shard, layout.tp)
+    bw = link_gbs(cfg, shard, layout.dims.stride("cp"))  # the cp x dp ranks
 
     def ring(nbytes_: float, factor: float) -> float:
         return ring_time(nbytes_, shard, bw, factor, c.collective_latency_s)

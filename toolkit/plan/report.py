@@ -16,19 +16,21 @@ from toolkit.plan.perf import estimate_step
 from toolkit.plan.search import Candidate, decision_path, search
 from toolkit.plan.validate import validate
 
-_COLUMNS = (
-    "#",
-    *(d.name for d in DIMS),
-    "mbs",
-    "zero",
-    "recompute",
-    "mem GiB",
-    "bubble",
-    "comm",
-    "tok/s",
-    "TFLOP/s",
-    "MFU",
-)
+
+def _columns() -> tuple[str, ...]:
+    return (
+        "#",
+        *(d.name for d in DIMS),
+        "mbs",
+        "zero",
+        "recompute",
+        "mem GiB",
+        "bubble",
+        "comm",
+        "tok/s",
+        "TFLOP/s",
+        "MFU",
+    )
 
 
 def _row(rank: int, c: Candidate) -> tuple:
@@ -49,9 +51,10 @@ def _row(rank: int, c: Candidate) -> tuple:
 
 
 def _table(rows: list[tuple]) -> str:
-    widths = [max(len(str(r[i])) for r in [_COLUMNS, *rows]) for i in range(len(_COLUMNS))]
+    columns = _columns()
+    widths = [max(len(str(r[i])) for r in [columns, *rows]) for i in range(len(columns))]
     fmt = "  ".join(f"{{:>{w}}}" for w in widths)
-    return "\n".join(fmt.format(*map(str, r)) for r in [_COLUMNS, *rows])
+    return "\n".join(fmt.format(*map(str, r)) for r in [columns, *rows])
 
 
 def configured_estimate(cfg: Config) -> dict:

@@ -75,6 +75,7 @@ _ERROR_RULES: tuple[Callable[[Config], Iterator[Violation]], ...] = (
     weights.hf_weights,
     weights.init_checkpoint,
     model.rope,
+    parallel.world,
     parallel.layout,
     parallel.backend_dims,
     batch.split,

@@ -10,10 +10,13 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from toolkit.plan.doublings import DEFAULT_THRESHOLD
+from toolkit.plan.parallel_dims import DIMS
 from toolkit.report.sweep import _layout_fields, _predicted, measured, read_metrics, read_result
 
-# Every field that tells one layout from another, besides the world size.
-LAYOUT_KEYS = ("backend", "tp", "pp", "vpp", "cp", "dp", "zero", "micro_batch", "recompute", "precision")
+
+def layout_keys() -> tuple[str, ...]:
+    """Every field that tells one layout from another, besides the world size."""
+    return ("backend", *(d.name for d in DIMS), "zero", "micro_batch", "recompute", "precision")
 
 
 class NotAReportDir(ValueError):
@@ -49,7 +52,7 @@ class Point:
         r = self.row
         sizes = [
             f"{k}=N" if k == varying else f"{k}{r[k]}"
-            for k in ("tp", "pp", "vpp", "cp", "dp")
+            for k in (d.name for d in DIMS)
             if k == varying or r.get(k) not in (None, 1)
         ]
         batch = f"zero{r.get('zero', 0)} mb{r.get('micro_batch', '?')}"
@@ -151,7 +154,7 @@ def _run_row(run_dir: Path, warmup_steps: int) -> dict:
 
 def _order(row: dict) -> tuple:
     """Table order: by world size, then layout (invalid points, without a world size, last)."""
-    return (row.get("world_size") is None, row.get("world_size") or 0, *(str(row.get(k)) for k in LAYOUT_KEYS))
+    return (row.get("world_size") is None, row.get("world_size") or 0, *(str(row.get(k)) for k in layout_keys()))
 
 
 def load(directory: Path, warmup_steps: int = 2) -> ReportData:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Callable
 
 from toolkit.plan.doublings import doublings, first_below
+from toolkit.plan.parallel_dims import DIMS
 from toolkit.report.load import NotAReportDir, Point, ReportData, load
 from toolkit.report.plots import Plot, curve_name, curves, draw, per_doubling, relative_error
 
@@ -42,28 +43,30 @@ def _first_line(error: str | None) -> str:
     return text if len(text) <= 120 else text[:117] + "..."
 
 
-# The table's columns: header, cell of a point (one table for the page and the Markdown).
-TABLE: tuple[tuple[str, Callable[[Point], str]], ...] = (
-    ("point", lambda p: p.label),
-    ("status", lambda p: p.row.get("status", "")),
-    ("backend", lambda p: p.row.get("backend", "")),
-    *((key, _field(key)) for key in ("tp", "pp", "vpp", "dp", "zero")),
-    ("micro batch", _field("micro_batch")),
-    ("ranks", _field("world_size")),
-    ("step time s", _field("step_time_s")),
-    ("predicted s", _field("predicted_step_time_s")),
-    ("step time error", lambda p: _error_pct(p, "step_time_s")),
-    ("tokens/s", _field("tokens_per_s")),
-    ("predicted tokens/s", _field("predicted_tokens_per_s")),
-    ("TFLOP/s per rank", _field("tflops_per_gpu")),
-    ("MFU", lambda p: f"{p.row['mfu']:.1%}" if p.row.get("mfu") else ""),
-    ("memory GiB", _field("memory_gib")),
-    ("predicted GiB", _field("predicted_memory_gib")),
-    ("memory error", lambda p: _error_pct(p, "memory_gib")),
-    ("RSS GiB", _field("rss_gib")),
-    ("final loss", _field("final_loss", digits=5)),
-    ("error", lambda p: _first_line(p.row.get("error"))),
-)
+def table() -> tuple[tuple[str, Callable[[Point], str]], ...]:
+    """The table's columns: header, cell of a point (one table for the page and the Markdown)."""
+    return (
+        ("point", lambda p: p.label),
+        ("status", lambda p: p.row.get("status", "")),
+        ("backend", lambda p: p.row.get("backend", "")),
+        *((d.name, _field(d.name)) for d in DIMS),
+        ("zero", _field("zero")),
+        ("micro batch", _field("micro_batch")),
+        ("ranks", _field("world_size")),
+        ("step time s", _field("step_time_s")),
+        ("predicted s", _field("predicted_step_time_s")),
+        ("step time error", lambda p: _error_pct(p, "step_time_s")),
+        ("tokens/s", _field("tokens_per_s")),
+        ("predicted tokens/s", _field("predicted_tokens_per_s")),
+        ("TFLOP/s per rank", _field("tflops_per_gpu")),
+        ("MFU", lambda p: f"{p.row['mfu']:.1%}" if p.row.get("mfu") else ""),
+        ("memory GiB", _field("memory_gib")),
+        ("predicted GiB", _field("predicted_memory_gib")),
+        ("memory error", lambda p: _error_pct(p, "memory_gib")),
+        ("RSS GiB", _field("rss_gib")),
+        ("final loss", _field("final_loss", digits=5)),
+        ("error", lambda p: _first_line(p.row.get("error"))),
+    )
 
 
 ERRORS_MEAN = (
@@ -118,9 +121,9 @@ def markdown(data: ReportData, plots: list[Plot], missing: list[str]) -> str:
     if summary:
         lines += [f"- {line}" for line in summary] + [""]
     lines += [
-        "| " + " | ".join(h for h, _ in TABLE) + " |",
-        "|" + "---|" * len(TABLE),
-        *("| " + " | ".join(_markdown_cell(get(p)) for _, get in TABLE) + " |" for p in data.points),
+        "| " + " | ".join(h for h, _ in table()) + " |",
+        "|" + "---|" * len(table()),
+        *("| " + " | ".join(_markdown_cell(get(p)) for _, get in table()) + " |" for p in data.points),
         "",
         ERRORS_MEAN,
         "",
@@ -153,11 +156,11 @@ def page(data: ReportData, plots: list[Plot], missing: list[str]) -> str:
     e = html.escape
     title, subtitle = _heading(data)
     text_columns = {"status", "backend", "error"}
-    head = "".join(f"<th>{e(h)}</th>" for h, _ in TABLE)
+    head = "".join(f"<th>{e(h)}</th>" for h, _ in table())
     rows = []
     for p in data.points:
         cells = "".join(
-            f'<td class="text">{e(get(p))}</td>' if h in text_columns else f"<td>{e(get(p))}</td>" for h, get in TABLE
+            f'<td class="text">{e(get(p))}</td>' if h in text_columns else f"<td>{e(get(p))}</td>" for h, get in table()
         )
         rows.append(f'<tr class="{"ok" if p.row.get("status") == "ok" else "failed"}">{cells}</tr>')
     parts = [

@@ -17,7 +17,7 @@ from matplotlib.lines import Line2D
 from matplotlib.ticker import FixedLocator, FuncFormatter, LogLocator, NullFormatter, NullLocator, ScalarFormatter
 
 from toolkit.plan.doublings import Doubling, doublings, first_below
-from toolkit.report.load import LAYOUT_KEYS, Point, ReportData
+from toolkit.report.load import Point, ReportData, layout_keys
 
 DPI = 110
 MARKERS = ("o", "s", "^", "v", "D", "x", "+", "P", "*", "<", ">")
@@ -79,7 +79,7 @@ def curves(data: ReportData, key: str = "tokens_per_s") -> list[list[Point]]:
     groups: dict[tuple, dict[int, Point]] = {}
     for p in data.points:
         if p.measured and p.row.get(key) and p.row.get("world_size"):
-            series = tuple(p.row.get(k) for k in LAYOUT_KEYS if k != data.scaled_dimension)
+            series = tuple(p.row.get(k) for k in layout_keys() if k != data.scaled_dimension)
             groups.setdefault(series, {}).setdefault(p.row["world_size"], p)
     return [[by_ranks[w] for w in sorted(by_ranks)] for by_ranks in groups.values()]
 

@@ -30,17 +30,15 @@ from pathlib import Path
 from toolkit.config.schema import Config
 from toolkit.plan.layout import Layout, resolve
 from toolkit.plan.memory import GIB, peak_memory
+from toolkit.plan.parallel_dims import DIMS
 from toolkit.plan.perf import estimate_step
 
-COLUMNS = (
+_BEFORE_DIMS = (
     "point",
     "status",
     "backend",
-    "tp",
-    "pp",
-    "vpp",
-    "cp",
-    "dp",
+)
+_AFTER_DIMS = (
     "zero",
     "micro_batch",
     "recompute",
@@ -60,6 +58,13 @@ COLUMNS = (
     "run_dir",
     "error",
 )
+
+
+def columns() -> tuple[str, ...]:
+    """sweep.csv's columns: the point, its layout (every parallel dimension), its figures."""
+    return (*_BEFORE_DIMS, *(d.name for d in DIMS), *_AFTER_DIMS)
+
+
 FINISHED = ("ok", "out_of_memory", "failed", "timed_out", "invalid")
 STOP_GRACE_S = 40.0  # torchrun's own grace for its ranks (30 s) and its exit
 OOM_SIGNS = ("CUDA out of memory", "OutOfMemoryError", "out of memory", "Cannot allocate memory")
@@ -101,11 +106,7 @@ def _layout_fields(cfg: Config, layout: Layout | None) -> dict:
     lay = layout
     return {
         "backend": str(cfg.backend.name),
-        "tp": lay.tp if lay else cfg.parallel.tp,
-        "pp": lay.pp if lay else cfg.parallel.pp,
-        "vpp": lay.vpp if lay else cfg.parallel.vpp,
-        "cp": lay.cp if lay else cfg.parallel.cp,
-        "dp": lay.dp if lay else cfg.parallel.dp,
+        **{d.name: getattr(lay.dims if lay else cfg.parallel, d.name) for d in DIMS},
         "zero": cfg.zero.stage,
         "micro_batch": cfg.train.micro_batch,
         "recompute": str(cfg.recompute.granularity),
@@ -283,7 +284,7 @@ def record(sweep_dir: Path, row: dict) -> None:
         rows = [r for r in document["points"] if r["point"] != row["point"]] + [row]
         write_atomic(sweep_dir / "sweep.json", json.dumps(document | {"points": rows}, indent=2) + "\n")
         text = io.StringIO()
-        writer = csv.DictWriter(text, fieldnames=COLUMNS, extrasaction="ignore")
+        writer = csv.DictWriter(text, fieldnames=columns(), extrasaction="ignore")
         writer.writeheader()
         writer.writerows(rows)
         write_atomic(sweep_dir / "sweep.csv", text.getvalue())

@@ -19,7 +19,7 @@ import time
 from pathlib import Path
 from typing import Any, Sequence
 
-from toolkit.report.sweep import COLUMNS, FINISHED, SweepOptions, point_key, progress_line, read_rows, record
+from toolkit.report.sweep import FINISHED, SweepOptions, columns, point_key, progress_line, read_rows, record
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +82,7 @@ def _executor(params: dict):
 
 
 def _failed_row(key: str, status: str, error: str) -> dict:
-    return dict.fromkeys(COLUMNS) | {"point": key, "status": status, "error": error, "run_dir": ""}
+    return dict.fromkeys(columns()) | {"point": key, "status": status, "error": error, "run_dir": ""}
 
 
 def launch(launcher, job_overrides: Sequence[Sequence[str]], initial_job_idx: int) -> list:

@@ -9,17 +9,20 @@ from typing import Iterator
 from toolkit.config.schema import Config
 from toolkit.plan.backends import backend_of
 from toolkit.plan.layout import padded_vocab_size, stage_layer_counts, world_size
+from toolkit.plan.parallel_dims import DIMS, ParallelDims
 from toolkit.plan.rules.base import Violation, divisors, err, listing, others
 
 
-def layout(cfg: Config) -> Iterator[Violation]:
-    m, p, c = cfg.model, cfg.parallel, cfg.cluster
+def world(cfg: Config) -> Iterator[Violation]:
+    """dp times the ranks one model replica spans (the dimensions that split the model into more
+    ranks: tp*pp*cp) is the cluster's device count."""
+    p, c = cfg.parallel, cfg.cluster
     world = world_size(cfg)
-    model_parallel = p.tp * p.pp * p.cp
+    splits = [d.name for d in DIMS if d.multiplies_world and d.splits_model]
+    product = "*".join(splits)
+    model_parallel = ParallelDims.of(p, dp=1).model_parallel_size
     fields = {
-        "parallel.tp": p.tp,
-        "parallel.pp": p.pp,
-        "parallel.cp": p.cp,
+        **{f"parallel.{name}": getattr(p, name) for name in splits},
         "cluster.nodes": c.nodes,
         "cluster.gpus_per_node": c.gpus_per_node,
     }
@@ -28,17 +31,20 @@ def layout(cfg: Config) -> Iterator[Violation]:
         yield err(
             "world_size",
             {**fields, "parallel.dp": p.dp},
-            f"dp*tp*pp*cp = {p.dp * model_parallel} but the cluster has {world} devices",
+            f"dp*{product} = {p.dp * model_parallel} but the cluster has {world} devices",
             f"set {fits}, or size the cluster to {p.dp * model_parallel} devices",
         )
     elif world % model_parallel:
         yield err(
             "world_size",
             fields,
-            f"tp*pp*cp = {model_parallel} does not divide the {world} devices",
-            f"use tp*pp*cp in {{{listing(divisors(world))}}}, or a cluster of a multiple of {model_parallel} devices",
+            f"{product} = {model_parallel} does not divide the {world} devices",
+            f"use {product} in {{{listing(divisors(world))}}}, or a cluster of a multiple of {model_parallel} devices",
         )
 
+
+def layout(cfg: Config) -> Iterator[Violation]:
+    m, p, c = cfg.model, cfg.parallel, cfg.cluster
     kv = m.num_kv_heads or m.num_attention_heads
     # megatron-core TransformerConfig: heads % tp == 0, and KV heads either split evenly
     # (kv % tp == 0) or are replicated evenly (tp % kv == 0).
@@ -172,18 +178,13 @@ def uneven_fix(num_layers: int, pp: int, vpp: int) -> str:
 def backend_dims(cfg: Config) -> Iterator[Violation]:
     """The model-parallel dimensions the layout uses that the backend does not train with."""
     p, be = cfg.parallel, backend_of(cfg)
-    in_use = {  # model-parallel dimension -> (field, value), for those this layout uses
-        dim: (field, value)
-        for dim, field, value, used in (
-            ("tp", "parallel.tp", p.tp, p.tp > 1),
-            ("pp", "parallel.pp", p.pp, p.pp > 1),
-            ("vpp", "parallel.vpp", p.vpp, p.vpp > 1),
-            ("cp", "parallel.cp", p.cp, p.cp > 1),
-            ("sp", "parallel.sequence_parallel", True, p.sequence_parallel),
-            ("tp_overlap", "parallel.tp_comm_overlap", True, p.tp_comm_overlap),
-        )
-        if used
+    # model-parallel dimension (or tensor parallel's options) -> (field, value), for those this layout uses
+    in_use = {
+        d.name: (f"parallel.{d.name}", getattr(p, d.name)) for d in DIMS if d.splits_model and getattr(p, d.name) > 1
     }
+    for option, field in (("sp", "sequence_parallel"), ("tp_overlap", "tp_comm_overlap")):
+        if getattr(p, field):
+            in_use[option] = (f"parallel.{field}", True)
     unsupported = {field: value for dim, (field, value) in in_use.items() if dim not in be.parallel_dims}
     if unsupported:
         yield err(
@@ -191,5 +192,7 @@ def backend_dims(cfg: Config) -> Iterator[Violation]:
             {**unsupported, "backend.name": be.name},
             f"the {be.name} backend trains with data parallel, ZeRO and "
             f"{', '.join(sorted(be.parallel_dims)) or 'no model'} parallelism only",
-            f"use {others(lambda o: set(in_use) <= o.parallel_dims)} for {', '.join(unsupported)}",
+            f"use {can} for {', '.join(unsupported)}"
+            if (can := others(lambda o: set(in_use) <= o.parallel_dims))
+            else f"set {' '.join(f'{field}=1' for field in unsupported)}: no backend trains with it",
         )
