@@ -256,17 +256,17 @@ def decision_path(cfg: Config, result: SearchResult) -> list[str]:
         gain = top.step.tokens_per_s / simple.step.tokens_per_s - 1
         why = []
         if simple.step.comm_share > top.step.comm_share + 0.05:
-            why.append(f"its communication share {simple.step.comm_share:.0%} vs {top.step.comm_share:.0%}")
+            why.append(f"spends {simple.step.comm_share:.0%} of its step communicating (vs {top.step.comm_share:.0%})")
         if (
             simple.layout.pp > 1
             and simple.step.bubble / simple.step.step_time > top.step.bubble / top.step.step_time + 0.02
         ):
-            why.append(f"its bubble {simple.step.bubble / simple.step.step_time:.0%}")
+            why.append(f"idles {simple.step.bubble / simple.step.step_time:.0%} of its step in the bubble")
         if RECOMPUTE_ORDER[simple.cfg.recompute.granularity] > RECOMPUTE_ORDER[top.cfg.recompute.granularity]:
-            why.append(f"it needs {simple.cfg.recompute.granularity} recompute to fit")
+            why.append(f"needs {simple.cfg.recompute.granularity} recompute to fit")
         lines.append(
             f"the top layout departs from it ({_shape(top)} instead of {_shape(simple)}): {gain:+.0%} throughput"
-            + (f", because of {', '.join(why)}" if why else "")
+            + (f", because the path's layout {' and '.join(why)}" if why else "")
         )
     return lines
 
