@@ -12,19 +12,23 @@ from __future__ import annotations
 from toolkit.config.schema import Config
 from toolkit.plan.layout import Layout
 from toolkit.plan.lr_schedule import lr_schedule
+from toolkit.plan.parallel_dims import DIMS
 
 # Names as torch spells them, so the YAML stays plain text.
 _DTYPE = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16", "fp8": "bfloat16"}
+
+
+def megatron_degrees(layout: Layout) -> dict:
+    """Every parallel dimension megatron-core is told of, under its name (toolkit.plan.parallel_dims):
+    the ModelParallelConfig fields, and parallel_state.initialize_model_parallel's keywords."""
+    return {d.megatron: d.megatron_degree(getattr(layout.dims, d.name)) for d in DIMS if d.megatron}
 
 
 def _model_parallel(cfg: Config, layout: Layout) -> dict:
     dtype = cfg.precision.dtype
     on_cpu = cfg.cluster.device == "cpu"
     return {
-        "tensor_model_parallel_size": layout.tp,
-        "pipeline_model_parallel_size": layout.pp,
-        "virtual_pipeline_model_parallel_size": layout.vpp if layout.vpp > 1 else None,
-        "context_parallel_size": layout.cp,
+        **megatron_degrees(layout),
         "sequence_parallel": cfg.parallel.sequence_parallel,
         "tp_comm_overlap": cfg.parallel.tp_comm_overlap,
         "bf16": dtype in ("bf16", "fp8"),

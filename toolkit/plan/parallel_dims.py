@@ -25,6 +25,15 @@ class Dim:
     multiplies_world: bool = True
     # dp replicates the model; the others split it (a layout's complexity counts the splits)
     splits_model: bool = True
+    # megatron-core's name for the degree: a ModelParallelConfig field and the keyword of
+    # parallel_state.initialize_model_parallel (megatron/core/model_parallel_config.py); None where
+    # megatron-core derives it (dp: the ranks left over)
+    megatron: str | None = None
+    # megatron-core takes None, not 1, for "not used" (the virtual pipeline: no interleaving)
+    none_at_one: bool = False
+
+    def megatron_degree(self, degree: int) -> int | None:
+        return None if self.none_at_one and degree == 1 else degree
 
 
 # The registry of dimensions, in the order labels list them (as Megatron-LM logs a layout:
@@ -32,10 +41,16 @@ class Dim:
 # runs, so that an entry added here (with its schema field) is labelled, parsed, swept, reported
 # and range-checked without another change (tests/test_parallel_dims.py adds one).
 DIMS: list[Dim] = [
-    Dim("tp", "tensor parallel: each layer's weight matrices split over ranks"),
-    Dim("pp", "pipeline parallel: the layers split into stages"),
-    Dim("vpp", "virtual pipeline: model chunks per pipeline rank (interleaved 1F1B)", multiplies_world=False),
-    Dim("cp", "context parallel: the sequence split over ranks for attention"),
+    Dim("tp", "tensor parallel: each layer's weight matrices split over ranks", megatron="tensor_model_parallel_size"),
+    Dim("pp", "pipeline parallel: the layers split into stages", megatron="pipeline_model_parallel_size"),
+    Dim(
+        "vpp",
+        "virtual pipeline: model chunks per pipeline rank (interleaved 1F1B)",
+        multiplies_world=False,
+        megatron="virtual_pipeline_model_parallel_size",
+        none_at_one=True,
+    ),
+    Dim("cp", "context parallel: the sequence split over ranks for attention", megatron="context_parallel_size"),
     Dim("dp", "data parallel: replicas, each with a share of the global batch", splits_model=False),
 ]
 # How the ranks are numbered, innermost first, as megatron-core's default

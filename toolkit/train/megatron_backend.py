@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 
 from toolkit.config.schema import Config
-from toolkit.emit.megatron import megatron_sections
+from toolkit.emit.megatron import megatron_degrees, megatron_sections
 from toolkit.plan.layout import Layout
 from toolkit.train import checkpoint as ckpt
 from toolkit.train import mcore_cpu, torch_adam
@@ -220,12 +220,7 @@ class MegatronSteps:
 
         self.cfg, self.layout = cfg, layout
         _init_distributed(layout)
-        parallel_state.initialize_model_parallel(
-            tensor_model_parallel_size=layout.tp,
-            pipeline_model_parallel_size=layout.pp,
-            virtual_pipeline_model_parallel_size=layout.vpp if layout.vpp > 1 else None,
-            context_parallel_size=layout.cp,
-        )
+        parallel_state.initialize_model_parallel(**megatron_degrees(layout))
         _seed(cfg.train.seed)
         sections = megatron_sections(cfg, layout)
         config, optimizer_config, ddp_config = build_megatron_configs(sections)
