@@ -77,6 +77,7 @@ def test_a_new_dimension_needs_only_its_entry_and_its_schema_field(compose, dumm
     from toolkit.plan.memory import peak_memory
     from toolkit.plan.perf import estimate_step
     from toolkit.plan.report import _columns
+    from toolkit.plan.search import candidate_configs
     from toolkit.plan.validate import validate
     from toolkit.report.load import layout_keys
     from toolkit.report.page import table
@@ -101,6 +102,8 @@ def test_a_new_dimension_needs_only_its_entry_and_its_schema_field(compose, dumm
     assert [list(v.fields) for v in refused] == [["parallel.xp"]]
     assert "xp" in columns() and _layout_fields(cfg, layout)["xp"] == 3 and "xp" in layout_keys()
     assert "xp" in _columns() and "xp" in [header for header, _ in table()]
+    # the layout search keeps a dimension without candidate degrees (search.DEGREE_OPTIONS) at 1
+    assert {c.parallel.xp for c in candidate_configs(cfg)} == {1}
     assert estimate_step(cfg, layout) == estimate_step(one, resolve(one))
     assert peak_memory(cfg, layout) == peak_memory(one, resolve(one))
 

@@ -1,9 +1,10 @@
 """Layout search: every valid layout for the cluster, those that fit, ranked by throughput.
 
-Enumerates tp (powers of two inside a node), pp (even or uneven stage splits), vpp, cp, dp,
-micro batch, ZeRO stage / distributed optimizer, recompute and sequence parallel for the
-configured model, cluster, global batch, precision and backend. Cheap divisibility checks prune
-first; every layout that is ranked has passed the same validator as `parakit validate`.
+Enumerates the parallel dimensions the backend trains with, each over its candidate degrees
+(DEGREE_OPTIONS: tp powers of two inside a node, pp with even or uneven stage splits, vpp, cp for
+long sequences; dp what is left), micro batch, ZeRO stage / distributed optimizer, recompute and
+sequence parallel for the configured model, cluster, global batch, precision and backend. Cheap
+divisibility checks prune first; every layout that is ranked has passed the same validator as `parakit validate`.
 When predicted throughputs tie (within 1%), the simpler layout wins, in the order that changes
 training least (toolkit.plan.fit): shard state first, then recompute, and split the model (tp,
 pp, cp) last.
@@ -16,11 +17,13 @@ import itertools
 import math
 import time
 from dataclasses import dataclass
+from typing import Callable
 
 from toolkit.config.schema import Config
 from toolkit.plan.backends import backend_of
 from toolkit.plan.layout import Layout, resolve, stage_layer_counts, world_size
 from toolkit.plan.memory import GIB, MemoryEstimate, peak_memory
+from toolkit.plan.parallel_dims import DIMS, ParallelDims
 from toolkit.plan.perf import StepEstimate, estimate_step
 from toolkit.plan.validate import validate
 
@@ -147,56 +150,81 @@ def _stage_splits(num_layers: int, pp: int, vpp: int) -> list[tuple[int | None, 
     return []
 
 
+def _pp_options(cfg: Config, chosen: dict) -> list[int]:
+    world = world_size(cfg) // chosen["tp"]
+    return [d for d in range(1, min(world, cfg.model.num_layers) + 1) if world % d == 0]
+
+
+def _cp_options(cfg: Config, chosen: dict) -> list[int]:
+    """Context parallel for long sequences only, each split into 2*cp chunks."""
+    seq = cfg.model.seq_length
+    return [cp for cp in CPS if cp == 1 or seq % (2 * cp) == 0] if seq >= 8192 else [1]
+
+
+# Each dimension's degrees worth trying, given those chosen before it (DIMS order); a dimension
+# without an entry (or that the backend does not train with) stays at 1, dp is what is left.
+DEGREE_OPTIONS: dict[str, Callable[[Config, dict], list[int]]] = {
+    "tp": lambda cfg, chosen: _tp_options(cfg),
+    "pp": _pp_options,
+    "vpp": lambda cfg, chosen: list(VPPS) if chosen["pp"] > 1 else [1],
+    "cp": _cp_options,
+}
+
+
+def _degree_choices(cfg: Config, supported, names: list[str], chosen: dict):
+    """Every combination of the degrees of `names` (nested in DIMS order, the first outermost)."""
+    if not names:
+        yield dict(chosen)
+        return
+    name, rest = names[0], names[1:]
+    options = DEGREE_OPTIONS.get(name) if name in supported else None
+    for degree in options(cfg, chosen) if options else [1]:
+        yield from _degree_choices(cfg, supported, rest, {**chosen, name: degree})
+
+
 def candidate_configs(cfg: Config):
     """Every layout worth checking, as configurations (cheap divisibility pruning only)."""
     m, t = cfg.model, cfg.train
     world = world_size(cfg)
     backend = backend_of(cfg)
     zeros, recomputes, dims = backend.zero_stages, backend.recompute, backend.parallel_dims
-    for tp in _tp_options(cfg) if "tp" in dims else [1]:
-        pps = [d for d in range(1, min(world // tp, m.num_layers) + 1) if (world // tp) % d == 0]
-        for pp in pps if "pp" in dims else [1]:
-            for vpp in VPPS if "vpp" in dims and pp > 1 else (1,):
-                for first, last in _stage_splits(m.num_layers, pp, vpp):
-                    if first is not None and not backend.uneven_pipeline_stages:
+    for degrees in _degree_choices(cfg, dims, [d.name for d in DIMS if d.name != "dp"], {}):
+        model_parallel = ParallelDims(**degrees).model_parallel_size
+        tp, pp = degrees["tp"], degrees["pp"]
+        if world % model_parallel:
+            continue
+        for first, last in _stage_splits(m.num_layers, pp, degrees["vpp"]):
+            if first is not None and not backend.uneven_pipeline_stages:
+                continue
+            dp = world // model_parallel
+            for micro in MICRO_BATCHES:
+                if t.global_batch % (micro * dp):
+                    continue
+                accum = t.global_batch // (micro * dp)
+                if degrees["vpp"] > 1 and accum % pp:
+                    continue
+                parallel = dataclasses.replace(
+                    cfg.parallel,
+                    **degrees,
+                    dp=None,
+                    sequence_parallel="sp" in dims and tp > 1,
+                    tp_comm_overlap=cfg.parallel.tp_comm_overlap and tp > 1,
+                    first_stage_layers=first,
+                    last_stage_layers=last,
+                )
+                train = dataclasses.replace(t, micro_batch=micro, grad_accum=None)
+                for zero, recompute in itertools.product(zeros, recomputes):
+                    if pp > 1 and zero not in backend.pipeline_zero_stages:
                         continue
-                    for cp in CPS if "cp" in dims and m.seq_length >= 8192 else (1,):
-                        if world % (tp * pp * cp) or m.seq_length % (2 * cp) and cp > 1:
-                            continue
-                        dp = world // (tp * pp * cp)
-                        for micro in MICRO_BATCHES:
-                            if t.global_batch % (micro * dp):
-                                continue
-                            accum = t.global_batch // (micro * dp)
-                            if vpp > 1 and accum % pp:
-                                continue
-                            parallel = dataclasses.replace(
-                                cfg.parallel,
-                                tp=tp,
-                                pp=pp,
-                                vpp=vpp,
-                                cp=cp,
-                                dp=None,
-                                sequence_parallel="sp" in dims and tp > 1,
-                                tp_comm_overlap=cfg.parallel.tp_comm_overlap and tp > 1,
-                                first_stage_layers=first,
-                                last_stage_layers=last,
-                            )
-                            train = dataclasses.replace(t, micro_batch=micro, grad_accum=None)
-                            for zero, recompute in itertools.product(zeros, recomputes):
-                                if pp > 1 and zero not in backend.pipeline_zero_stages:
-                                    continue
-                                yield dataclasses.replace(
-                                    cfg,
-                                    parallel=parallel,
-                                    train=train,
-                                    zero=dataclasses.replace(
-                                        cfg.zero, stage=zero, offload_optimizer="none", offload_param="none"
-                                    ),
-                                    recompute=dataclasses.replace(
-                                        cfg.recompute, granularity=recompute, method="uniform", num_layers=1
-                                    ),
-                                )
+                    yield dataclasses.replace(
+                        cfg,
+                        parallel=parallel,
+                        train=train,
+                        zero=dataclasses.replace(cfg.zero, stage=zero, offload_optimizer="none", offload_param="none"),
+                        recompute=dataclasses.replace(
+                            cfg.recompute, granularity=recompute, method="uniform", num_layers=1
+                        ),
+                    )
 
 
 def search(cfg: Config) -> SearchResult:
