@@ -108,7 +108,7 @@ def _scheduled(layout, run: dict):
         return layout
     return dataclasses.replace(
         layout,
-        dims=dataclasses.replace(layout.dims, vpp=vpp),
+        dims=layout.dims.replace(vpp=vpp),
         bubble_fraction=bubble_fraction(layout.pp, vpp, layout.num_microbatches),
     )
 

@@ -16,6 +16,7 @@ def test_one_list_of_dimensions_drives_the_label_the_short_form_and_the_override
     assert dims.label() == "tp=2 pp=2 vpp=2 cp=1 dp=3"
     assert dims.short() == "tp2_pp2_vpp2_dp3" and ParallelDims().short() == "dp1"
     assert ParallelDims.parse(dims.short()) == dims  # the short form round-trips
+    assert dims.replace(vpp=1) == ParallelDims(tp=2, pp=2, dp=3) and dims.vpp == 2
     assert dims.overrides(derived=("dp",)) == ["parallel.tp=2", "parallel.pp=2", "parallel.vpp=2", "parallel.cp=1"]
     # vpp chunks a stage's layers: 2 x 2 x 3 ranks, not 2 x 2 x 2 x 3; dp replicates the model
     assert dims.world_size == 12 and dims.model_parallel_size == 4 and dims.model_splits == 3

@@ -85,6 +85,10 @@ class ParallelDims:
         with dp resolved (the section may leave it to the world size)."""
         return cls(**{d.name: getattr(parallel, d.name) for d in DIMS if d.name != "dp"}, dp=dp)
 
+    def replace(self, **degrees: int) -> ParallelDims:
+        """These degrees changed, the others kept (as dataclasses.replace)."""
+        return ParallelDims(**{**dict(self._degrees), **degrees})
+
     def __getattr__(self, name: str) -> int:
         for dim, degree in object.__getattribute__(self, "_degrees"):
             if dim == name:
