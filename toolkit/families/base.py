@@ -30,7 +30,6 @@ class PipelineParts:
 
 class Family:
     name: str  # config.json's model_type, and model.family
-    config_class: str  # transformers' configuration class
     default_vocab_size: int  # transformers' default when config.json leaves it out
     layers_prefix: str  # the decoder layers' names: f"{layers_prefix}.{i}."
     embedding_name: str  # the token embedding

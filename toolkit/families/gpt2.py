@@ -24,7 +24,6 @@ _CONV1D = {
 
 class Gpt2(Family):
     name = "gpt2"
-    config_class = "GPT2Config"
     default_vocab_size = 50257
     layers_prefix = "transformer.h"
     embedding_name = "transformer.wte.weight"
@@ -103,9 +102,9 @@ class Gpt2(Family):
         kind = key.rsplit(".", 1)[-1]
         norm = "weight" if kind.endswith("weight") else "bias"  # layer_norm_weight / layer_norm_bias
         simple = {
-            "embedding.position_embeddings.weight": "transformer.wpe.weight",
-            "decoder.final_layernorm.weight": "transformer.ln_f.weight",
-            "decoder.final_layernorm.bias": "transformer.ln_f.bias",
+            "embedding.position_embeddings.weight": self.positions_name,
+            "decoder.final_layernorm.weight": self.final_norm + "weight",
+            "decoder.final_layernorm.bias": self.final_norm + "bias",
             f"decoder.layers.self_attention.linear_qkv.layer_norm_{norm}": f"{p}ln_1.{norm}",
             f"decoder.layers.mlp.linear_fc1.layer_norm_{norm}": f"{p}ln_2.{norm}",
         }

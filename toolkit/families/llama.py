@@ -29,7 +29,6 @@ def rope_parameters(m: ModelConfig) -> dict:
 
 
 class LlamaLike(Family):
-    config_class = "LlamaConfig"
     default_vocab_size = 32000
     layers_prefix = "model.layers"
     embedding_name = "model.embed_tokens.weight"
@@ -116,7 +115,7 @@ class LlamaLike(Family):
         p = self.layer_prefix(layer) if layer is not None else ""
         kind = key.rsplit(".", 1)[-1]  # weight | bias | layer_norm_weight
         simple = {
-            "decoder.final_layernorm.weight": "model.norm.weight",
+            "decoder.final_layernorm.weight": self.final_norm + "weight",
             "decoder.layers.self_attention.linear_qkv.layer_norm_weight": p + "input_layernorm.weight",
             "decoder.layers.mlp.linear_fc1.layer_norm_weight": p + "post_attention_layernorm.weight",
             "decoder.layers.self_attention.linear_proj.weight": p + "self_attn.o_proj.weight",
@@ -152,8 +151,6 @@ class Llama(LlamaLike):
 
 
 class Qwen2(LlamaLike):
-    config_class = "Qwen2Config"
-
     def _variant(self, c: dict, attention_bias: bool, window, path) -> dict:
         # Qwen2 keeps a sliding_window value that only use_sliding_window turns on
         window = window if c.get("use_sliding_window", False) else None
@@ -166,8 +163,6 @@ class Qwen2(LlamaLike):
 
 
 class Mistral(LlamaLike):
-    config_class = "MistralConfig"
-
     def _variant(self, c: dict, attention_bias: bool, window, path) -> dict:
         return {"add_bias_linear": False, "add_qkv_bias": attention_bias, "sliding_window": window}
 

@@ -5,7 +5,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import Enum
 
-from toolkit.config.schema import Config
 from toolkit.plan.backends import supporting
 
 ERROR, WARNING = "error", "warning"
@@ -46,10 +45,3 @@ def listing(values) -> str:
 def others(feature) -> str:
     """`backend=NAME` for the backends that have `feature` (a fix's alternative)."""
     return " or ".join(f"backend={name}" for name in supporting(feature))
-
-
-def get(cfg: Config, path: str):
-    obj = cfg
-    for part in path.split("."):
-        obj = getattr(obj, part)
-    return obj

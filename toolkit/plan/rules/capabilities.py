@@ -34,12 +34,16 @@ def _nan_skip(cfg: Config, be: Backend) -> dict:
     return {"train.fault.nan_action": "skip", "zero.stage": 0, "precision.dtype": "fp32"} if asked else {}
 
 
+def _unapplied(cfg: Config, be: Backend) -> dict:
+    """The llama3 scaling parameters set otherwise than the backend applies them: {name: its value}."""
+    return {k: v for k, v in be.rope_scaling_fixed if getattr(cfg.model.rope_scaling, k) != v}
+
+
 def _rope_fixed(cfg: Config, be: Backend) -> dict:
-    """The llama3 scaling parameters that differ from what the backend applies."""
     rs = cfg.model.rope_scaling
     if rs.type == "none":
         return {}
-    return {f"model.rope_scaling.{k}": getattr(rs, k) for k, v in be.rope_scaling_fixed if getattr(rs, k) != v}
+    return {f"model.rope_scaling.{k}": getattr(rs, k) for k in _unapplied(cfg, be)}
 
 
 def _fractional_rope_base(cfg: Config, be: Backend) -> dict:
@@ -61,8 +65,8 @@ def _offload(cfg: Config, be: Backend) -> dict:
 
 
 def _set_rope(cfg: Config, be: Backend, can: str) -> str:
-    fixed = {k: v for k, v in be.rope_scaling_fixed if getattr(cfg.model.rope_scaling, k) != v}
-    return "set " + " and ".join(f"model.rope_scaling.{k}={v:g}" for k, v in fixed.items()) + f", or {can}"
+    settings = " and ".join(f"model.rope_scaling.{k}={v:g}" for k, v in _unapplied(cfg, be).items())
+    return f"set {settings}, or {can}"
 
 
 # In the order they are reported. The fields of each violation are what `asks` returns, plus
