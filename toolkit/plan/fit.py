@@ -19,6 +19,7 @@ from toolkit.config.schema import Config
 from toolkit.plan.backends import backend_of
 from toolkit.plan.layout import resolve, world_size
 from toolkit.plan.memory import GIB, MemoryEstimate, peak_memory
+from toolkit.plan.parallel_dims import DIMS
 
 # The estimate's uncertainty: a layout predicted up to 15% over the device is a warning, not an
 # error. The published Llama 3 405B and 8B layouts that parakit ships as recipes run on 80 GB
@@ -52,14 +53,14 @@ def _single_changes(cfg: Config) -> Iterator[tuple[str, Config]]:
         train = dataclasses.replace(t, micro_batch=micro, grad_accum=None)
         yield f"train.micro_batch={micro}", dataclasses.replace(cfg, train=train)
         micro //= 2
-    world = world_size(cfg)
-    for dim, limit in (("tp", cfg.cluster.gpus_per_node), ("pp", world)):
-        if dim not in backend.parallel_dims:
+    reach = {"node": cfg.cluster.gpus_per_node, "world": world_size(cfg)}
+    for dim in DIMS:
+        if dim.fit_reach is None or dim.name not in backend.parallel_dims:
             continue
-        size = getattr(p, dim) * 2
-        while size <= limit:
-            parallel = dataclasses.replace(p, dp=None, **{dim: size})
-            yield f"parallel.{dim}={size}", dataclasses.replace(cfg, parallel=parallel)
+        size = getattr(p, dim.name) * 2
+        while size <= reach[dim.fit_reach]:
+            parallel = dataclasses.replace(p, dp=None, **{dim.name: size})
+            yield f"parallel.{dim.name}={size}", dataclasses.replace(cfg, parallel=parallel)
             size *= 2
 
 

@@ -56,6 +56,11 @@ class Layout:
         return self.dims.dp
 
     @property
+    def gpu_tokens(self) -> int:
+        """Tokens of one micro-batch on one GPU (context parallel splits each sequence)."""
+        return self.micro_batch * self.seq_length // self.cp
+
+    @property
     def last_step(self) -> int:
         """The step the run ends after: train.steps, or train.stop_after_steps when sooner."""
         return min(self.steps, self.stop_after_steps or self.steps)

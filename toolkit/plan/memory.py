@@ -198,7 +198,7 @@ def stage_memory(cfg: Config, layout: Layout, stage: int, flash: bool | None = N
     layers_per_chunk = layout.stage_layers[stage] // layout.vpp
     chunks = inflight_chunks(layout.pp, layout.vpp, layout.num_microbatches, stage)
     activations = chunks * layers_per_chunk * per_layer
-    tokens = layout.micro_batch * seq
+    tokens = layout.gpu_tokens
     if r.granularity == "full":  # one chunk's layers are live again while recomputed
         activations += r.num_layers * layer_activation_bytes(
             m, layout.micro_batch, seq, layout.tp, p.sequence_parallel, nbytes, flash

@@ -31,6 +31,10 @@ class Dim:
     megatron: str | None = None
     # megatron-core takes None, not 1, for "not used" (the virtual pipeline: no interleaving)
     none_at_one: bool = False
+    # how far raising this degree is tried when a layout does not fit (toolkit.plan.fit): "node"
+    # (tensor parallel stays inside a node: its all-reduces every layer need NVLink), "world", or
+    # None when a higher degree frees no weight memory (vpp, cp: cp splits only activations)
+    fit_reach: str | None = None
 
     def megatron_degree(self, degree: int) -> int | None:
         return None if self.none_at_one and degree == 1 else degree
@@ -41,8 +45,18 @@ class Dim:
 # runs, so that an entry added here (with its schema field) is labelled, parsed, swept, reported
 # and range-checked without another change (tests/test_parallel_dims.py adds one).
 DIMS: list[Dim] = [
-    Dim("tp", "tensor parallel: each layer's weight matrices split over ranks", megatron="tensor_model_parallel_size"),
-    Dim("pp", "pipeline parallel: the layers split into stages", megatron="pipeline_model_parallel_size"),
+    Dim(
+        "tp",
+        "tensor parallel: each layer's weight matrices split over ranks",
+        megatron="tensor_model_parallel_size",
+        fit_reach="node",
+    ),
+    Dim(
+        "pp",
+        "pipeline parallel: the layers split into stages",
+        megatron="pipeline_model_parallel_size",
+        fit_reach="world",
+    ),
     Dim(
         "vpp",
         "virtual pipeline: model chunks per pipeline rank (interleaved 1F1B)",

@@ -127,11 +127,6 @@ def rates(cfg: Config, world_size: int) -> Rates:
     return Rates(gemm, attention, c.hbm_bandwidth_gbs * 1e9, DTYPE_BYTES[dtype])
 
 
-def _gpu_tokens(layout: Layout) -> int:
-    """Tokens of one micro-batch on one GPU (context parallel splits each sequence)."""
-    return layout.micro_batch * layout.seq_length // layout.cp
-
-
 def _wgrad_bytes(backend: Backend, nbytes: int) -> int:
     """Bytes a wgrad GEMM's epilogue moves per weight. Megatron keeps fp32 main_grad buffers and adds
     each micro-batch's weight gradient into them in the wgrad GEMM's epilogue (Megatron-LM
@@ -198,7 +193,7 @@ def layer_cost(cfg: Config, layout: Layout, backend: Backend, r: Rates, stack) -
     """A layer's compute (which shares a CPU node's cores) and its communication (which waits)."""
     m, c, p = cfg.model, cfg.cluster, cfg.parallel
     tp, h, d = layout.tp, cfg.model.hidden_size, head_dim(cfg.model)
-    tokens = _gpu_tokens(layout)
+    tokens = layout.gpu_tokens
     q, kv = m.num_attention_heads * d, kv_heads(m) * d
     ffn_in = m.ffn_hidden_size * (2 if m.activation == "swiglu" else 1)
     recompute = cfg.recompute.granularity
@@ -233,7 +228,7 @@ def layer_cost(cfg: Config, layout: Layout, backend: Backend, r: Rates, stack) -
 def logits_cost(cfg: Config, layout: Layout, backend: Backend, r: Rates, stack) -> tuple[float, float]:
     """The last stage's output layer and loss for one micro-batch: compute and communication."""
     c, h, tp = cfg.cluster, cfg.model.hidden_size, layout.tp
-    tokens = _gpu_tokens(layout)
+    tokens = layout.gpu_tokens
     vocab_shard = layout.padded_vocab_size / tp
     logit_bytes = tokens * vocab_shard * 4  # the loss is computed in fp32
     compute = (
@@ -267,7 +262,7 @@ def pipeline_comm(cfg: Config, layout: Layout, r: Rates, compute: float) -> floa
     tp, pp, vpp = layout.tp, layout.pp, layout.vpp
     if pp <= 1:
         return 0.0
-    tokens = _gpu_tokens(layout)
+    tokens = layout.gpu_tokens
     num_mb = layout.num_microbatches
     sent = tokens // (tp if cfg.parallel.sequence_parallel else 1) * cfg.model.hidden_size * r.nbytes
     sends = num_mb * vpp * 2 * p2p_time(cfg, sent, link_gbs(cfg, pp, layout.dims.stride("pp")))
