@@ -12,7 +12,7 @@ from toolkit.plan.parallel_dims import DIMS, ParallelDims, parse_degrees
 
 def test_one_list_of_dimensions_drives_the_label_the_short_form_and_the_overrides():
     dims = ParallelDims(tp=2, pp=2, vpp=2, dp=3)
-    assert [d.name for d in DIMS] == ["tp", "pp", "vpp", "cp", "dp"]
+    assert [d.name for d in DIMS] == ["tp", "pp", "vpp", "cp", "dp", "ep", "etp"]
     assert dims.label() == "tp=2 pp=2 vpp=2 cp=1 dp=3"
     assert dims.short() == "tp2_pp2_vpp2_dp3" and ParallelDims().short() == "dp1"
     assert ParallelDims.parse(dims.short()) == dims  # the short form round-trips
@@ -107,6 +107,27 @@ def test_a_new_dimension_needs_only_its_entry_and_its_schema_field(compose, dumm
     assert {c.parallel.xp for c in candidate_configs(cfg)} == {1}
     assert estimate_step(cfg, layout) == estimate_step(one, resolve(one))
     assert peak_memory(cfg, layout) == peak_memory(one, resolve(one))
+
+
+def test_the_expert_dimensions_fold_into_the_ranks_and_are_quiet_at_their_default():
+    """ep and etp add no ranks (megatron-core's MoE folding: etp x ep x edp = tp x cp x dp); etp
+    left unset follows tp; a dense layout's label, short form and overrides do not mention them."""
+    dense = ParallelDims(tp=2, dp=4)
+    assert dense.etp == 2 and dense.ep == 1 and dense.label() == "tp=2 pp=1 vpp=1 cp=1 dp=4"
+    assert dense.short() == "tp2_dp4" and dense.model_splits == 1  # etp = tp is not a second split
+    moe = ParallelDims(tp=2, dp=4, ep=4)
+    assert moe.world_size == 8 and moe.edp == 1 and moe.label() == "tp=2 pp=1 vpp=1 cp=1 dp=4 ep=4"
+    assert moe.stride("ep") == 2 and moe.stride("edp") == 8  # experts numbered etp, ep, edp
+    assert moe.overrides(derived=("dp",)) == [
+        "parallel.tp=2",
+        "parallel.pp=1",
+        "parallel.vpp=1",
+        "parallel.cp=1",
+        "parallel.ep=4",
+    ]
+    narrow = moe.replace(etp=1)
+    assert narrow.edp == 2 and narrow.short() == "tp2_dp4_ep4_etp1" and ParallelDims.parse(narrow.short()) == narrow
+    assert narrow.label().endswith("ep=4 etp=1") and narrow.model_splits == 2
 
 
 def test_the_rank_order_gives_each_groups_stride():

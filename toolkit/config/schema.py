@@ -32,6 +32,40 @@ class Family(StrEnum):
     gpt2 = "gpt2"
 
 
+class LoadBalancing(StrEnum):
+    """How the router keeps the experts evenly loaded (megatron-core's
+    moe_router_load_balancing_type, TransformerConfig)."""
+
+    aux_loss = "aux_loss"  # a loss over the micro-batch's tokens (Fedus et al. 2021, "Switch Transformers", eq. 4)
+    seq_aux_loss = "seq_aux_loss"  # the same per sequence (DeepSeek-AI 2024, "DeepSeek-V3", eq. 17-20)
+    # no loss: a per-expert bias on the routing scores, nudged towards even load after each step
+    # (Wang et al. 2024, "Auxiliary-Loss-Free Load Balancing"; DeepSeek-V3 section 2.1.2)
+    expert_bias = "expert_bias"
+    none = "none"
+
+
+class TokenDispatcher(StrEnum):
+    """How tokens reach their experts' ranks (megatron-core's moe_token_dispatcher_type)."""
+
+    alltoall = "alltoall"  # each rank sends each expert rank its tokens (all-to-all)
+    allgather = "allgather"  # every rank gathers every token and keeps its experts' (small ep)
+    flex = "flex"  # DeepEP's or HybridEP's fused kernels (packages of their own, CUDA)
+
+
+class TokenDropPolicy(StrEnum):
+    """Which tokens an expert over capacity drops (megatron-core's moe_token_drop_policy)."""
+
+    probs = "probs"  # the lowest routing probabilities
+    position = "position"  # the latest in the sequence
+
+
+class RouterScore(StrEnum):
+    """The function of the router's logits that ranks the experts (megatron-core's moe_router_score_function)."""
+
+    softmax = "softmax"
+    sigmoid = "sigmoid"  # DeepSeek-V3 (section 2.1.2), and what the expert bias needs
+
+
 class Normalization(StrEnum):
     RMSNorm = "RMSNorm"
     LayerNorm = "LayerNorm"
@@ -245,6 +279,34 @@ class RopeScalingConfig:
 
 
 @dataclass
+class MoeConfig:
+    """Mixture-of-experts MLPs (Shazeer et al. 2017; top-k routing as Mixtral, Jiang et al. 2024),
+    named as megatron-core's TransformerConfig moe_* fields. num_experts unset: a dense model."""
+
+    num_experts: Optional[int] = at_least_one(None)
+    router_topk: int = at_least_one(2)  # experts each token goes to
+    # renormalise the top-k routing weights to sum to 1 (Mixtral, Qwen3-MoE: HF norm_topk_prob); off:
+    # the softmax over all experts, kept for the top k (Qwen2-MoE; megatron-core moe_router_pre_softmax)
+    norm_topk_prob: bool = True
+    score_function: RouterScore = RouterScore.softmax
+    ffn_hidden_size: Optional[int] = at_least_one(None)  # each expert's FFN size; unset: model.ffn_hidden_size
+    # the shared experts' FFN size, all of them together (Qwen2-MoE, DeepSeek); unset: none
+    shared_expert_size: Optional[int] = at_least_one(None)
+    shared_expert_gate: bool = False  # a sigmoid gate on the shared experts' output (Qwen2-MoE)
+    layer_freq: int = at_least_one(1)  # layer i is an MoE layer when i % layer_freq == 0 ...
+    dense_layers: list[int] = field(default_factory=list)  # ... and i is not listed here (0-based)
+    load_balancing: LoadBalancing = LoadBalancing.aux_loss
+    aux_loss_coeff: float = non_negative(1e-2)  # the load-balancing loss's weight
+    z_loss_coeff: Optional[float] = positive_or_null(None)  # router z-loss (Zoph et al. 2022, "ST-MoE", eq. 5)
+    expert_bias_update_rate: float = non_negative(1e-3)  # load_balancing=expert_bias's step
+    capacity_factor: Optional[float] = positive_or_null(None)  # tokens an expert takes / its fair share; unset: dropless
+    token_drop_policy: TokenDropPolicy = TokenDropPolicy.probs
+    pad_to_capacity: bool = False  # pad every expert's input to its capacity (needs capacity_factor)
+    token_dispatcher: TokenDispatcher = TokenDispatcher.alltoall
+    grouped_gemm: bool = False  # all local experts in one grouped GEMM (needs the grouped_gemm package or TE)
+
+
+@dataclass
 class ModelConfig:
     """A decoder-only transformer, described once for every consumer (planner, Megatron, HF)."""
 
@@ -274,6 +336,8 @@ class ModelConfig:
     init_method_std: float = non_negative(0.02)
     hidden_dropout: float = dropout(0.0)
     attention_dropout: float = dropout(0.0)
+    qk_layernorm: bool = False  # RMSNorm on each head's queries and keys (Qwen3; megatron-core qk_layernorm)
+    moe: MoeConfig = field(default_factory=MoeConfig)
     # A local Hugging Face model directory (config.json + safetensors) whose weights training
     # starts from, on either backend (train.init_checkpoint, when set, replaces them); its
     # architecture must match the fields above. model=hf reads those fields from its config.json.
@@ -290,6 +354,24 @@ def kv_heads(m: ModelConfig) -> int:
     return m.num_kv_heads or m.num_attention_heads
 
 
+def is_moe(m: ModelConfig) -> bool:
+    return m.moe.num_experts is not None
+
+
+def expert_ffn_size(m: ModelConfig) -> int:
+    """One expert's FFN size (model.moe.ffn_hidden_size unset: the dense model.ffn_hidden_size)."""
+    return m.moe.ffn_hidden_size or m.ffn_hidden_size
+
+
+def moe_layer_pattern(m: ModelConfig) -> list[int]:
+    """1 for each MoE layer, 0 for each dense one (megatron-core's moe_layer_freq as a list,
+    models/gpt/gpt_layer_specs.py): every layer_freq-th from layer 0, less those in dense_layers."""
+    if not is_moe(m):
+        return [0] * m.num_layers
+    dense = set(m.moe.dense_layers)
+    return [int(i % m.moe.layer_freq == 0 and i not in dense) for i in range(m.num_layers)]
+
+
 @dataclass
 class ParallelConfig:
     tp: int = at_least_one(1)  # tensor parallel size
@@ -297,6 +379,11 @@ class ParallelConfig:
     vpp: int = at_least_one(1)  # virtual pipeline stages per pipeline rank (interleaved 1F1B when > 1)
     dp: Optional[int] = at_least_one(None)  # data parallel size; derived from the world size when left out
     cp: int = at_least_one(1)  # context parallel size (megatron backend)
+    # Expert parallel: each MoE layer's experts split over ep ranks, and each expert's matrices over
+    # etp ranks (unset: tp, as megatron-core). The experts fold into the ranks attention uses:
+    # etp x ep x expert-dp = tp x cp x dp (megatron-core parallel_state, "MoE parallel folding").
+    ep: int = at_least_one(1)
+    etp: Optional[int] = at_least_one(None)
     cp_comm_type: CpCommType = CpCommType.p2p
     # Uneven pipeline: layers on the first / last stage (the rest split evenly over the middle
     # stages), e.g. Llama 3 405B's 126 layers on 16 stages as 7 + 14 x 8 + 7.

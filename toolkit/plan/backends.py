@@ -80,7 +80,7 @@ class Backend:
     zero_stages: tuple[int, ...]
     zero_meaning: str
     pipeline_zero_stages: tuple[int, ...]  # stages allowed together with pipeline parallel
-    # of {"tp", "pp", "vpp", "cp", "sp"} and "tp_overlap" (tensor-parallel communication overlapped
+    # of {"tp", "pp", "vpp", "cp", "sp", "ep", "etp"} and "tp_overlap" (tensor-parallel communication overlapped
     # with the GEMMs); dp always
     parallel_dims: frozenset[str]
     recompute: tuple[str, ...]  # recompute granularities
@@ -141,7 +141,7 @@ MEGATRON = Backend(
     zero_stages=(0, 1),
     zero_meaning="stage 1 is Megatron's distributed optimizer (optimizer state sharded over dp x cp)",
     pipeline_zero_stages=(0, 1),
-    parallel_dims=frozenset({"tp", "pp", "vpp", "cp", "sp", "tp_overlap"}),
+    parallel_dims=frozenset({"tp", "pp", "vpp", "cp", "sp", "tp_overlap", "ep", "etp"}),
     recompute=("none", "selective", "full"),
     precisions=("fp32", "bf16", "fp16", "fp8"),
     offload=False,

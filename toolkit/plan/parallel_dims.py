@@ -35,6 +35,11 @@ class Dim:
     # (tensor parallel stays inside a node: its all-reduces every layer need NVLink), "world", or
     # None when a higher degree frees no weight memory (vpp, cp: cp splits only activations)
     fit_reach: str | None = None
+    # the degree when a configuration leaves it unset: a number, or the name of an earlier
+    # dimension whose degree it takes (etp follows tp, as megatron-core's expert_tensor_parallel_size)
+    default: int | str = 1
+    # labels and short forms leave it out at its default (a dense layout's label stays tp..dp)
+    quiet: bool = False
 
     def megatron_degree(self, degree: int) -> int | None:
         return None if self.none_at_one and degree == 1 else degree
@@ -66,12 +71,35 @@ DIMS: list[Dim] = [
     ),
     Dim("cp", "context parallel: the sequence split over ranks for attention", megatron="context_parallel_size"),
     Dim("dp", "data parallel: replicas, each with a share of the global batch", splits_model=False),
+    # The experts fold into the ranks attention uses (megatron-core parallel_state, "MoE parallel
+    # folding", Liu et al. 2025, arXiv 2504.14960): etp x ep x expert-dp = tp x cp x dp, so neither
+    # adds ranks.
+    Dim(
+        "ep",
+        "expert parallel: each MoE layer's experts split over ranks",
+        multiplies_world=False,
+        megatron="expert_model_parallel_size",
+        fit_reach="world",
+        quiet=True,
+    ),
+    Dim(
+        "etp",
+        "expert tensor parallel: each expert's matrices split over ranks",
+        multiplies_world=False,
+        megatron="expert_tensor_parallel_size",
+        default="tp",
+        quiet=True,
+    ),
 ]
 # How the ranks are numbered, innermost first, as megatron-core's default
 # (parallel_state.initialize_model_parallel, order="tp-cp-ep-dp-pp"): consecutive ranks form a
 # tensor-parallel group, then context, data and pipeline groups over ever larger strides. vpp
 # adds no ranks. A dimension that multiplies the world takes its place here.
 RANK_ORDER = ("tp", "cp", "dp", "pp")
+# The experts' ranks are numbered over the same ranks in their own order
+# (parallel_state.initialize_model_parallel's expert_decoder_rank_generator: "tp-ep-dp-pp" with
+# etp for tp and the expert-data-parallel degree for dp).
+EXPERT_RANK_ORDER = ("etp", "ep", "edp", "pp")
 _SHORT = re.compile(r"^([a-z]+?)(\d+)$")
 
 
@@ -91,7 +119,12 @@ class ParallelDims:
         unknown = sorted(set(degrees) - set(names))
         if unknown:
             raise TypeError(f"no parallel dimension {', '.join(unknown)} (the dimensions: {', '.join(names)})")
-        object.__setattr__(self, "_degrees", tuple((name, int(degrees.get(name, 1))) for name in names))
+        resolved: dict[str, int] = {}
+        for dim in DIMS:  # None or absent: the default, a number or an earlier dimension's degree
+            given = degrees.get(dim.name)
+            default = dim.default if isinstance(dim.default, int) else resolved[dim.default]
+            resolved[dim.name] = int(default if given is None else given)
+        object.__setattr__(self, "_degrees", tuple(resolved.items()))
 
     @classmethod
     def of(cls, parallel, dp: int) -> ParallelDims:
@@ -128,14 +161,29 @@ class ParallelDims:
         """(name, degree) of every dimension, in DIMS order."""
         return list(self._degrees)
 
+    def at_default(self, dim: Dim) -> bool:
+        """Whether `dim` has the degree a configuration that leaves it unset gets."""
+        default = dim.default if isinstance(dim.default, int) else getattr(self, dim.default)
+        return getattr(self, dim.name) == default
+
+    def _shown(self) -> list[tuple[str, int]]:
+        return [(d.name, getattr(self, d.name)) for d in DIMS if not (d.quiet and self.at_default(d))]
+
+    @property
+    def edp(self) -> int:
+        """Expert data parallel: the replicas of each expert, tp x cp x dp / (etp x ep)."""
+        return self.tp * self.cp * self.dp // (self.etp * self.ep)
+
     @property
     def world_size(self) -> int:
         return math.prod(getattr(self, d.name) for d in DIMS if d.multiplies_world)
 
     def stride(self, name: str) -> int:
         """How far apart the ranks of one `name` group are: the product of the degrees numbered
-        inside it (RANK_ORDER). A group of the cp x dp ranks starts at cp's stride."""
-        inner = RANK_ORDER[: RANK_ORDER.index(name)]
+        inside it (RANK_ORDER, or EXPERT_RANK_ORDER for the experts' etp, ep and edp). A group of
+        the cp x dp ranks starts at cp's stride."""
+        order = RANK_ORDER if name in RANK_ORDER else EXPERT_RANK_ORDER
+        inner = order[: order.index(name)]
         return math.prod(getattr(self, n) for n in inner)
 
     @property
@@ -145,21 +193,28 @@ class ParallelDims:
 
     @property
     def model_splits(self) -> int:
-        """How many ways the model is split (each dimension that does, above 1, counts once)."""
-        return sum(getattr(self, d.name) > 1 for d in DIMS if d.splits_model)
+        """How many ways the model is split (each dimension that does, above 1, counts once; one
+        that follows another at its default, etp = tp, does not count again)."""
+        return sum(
+            getattr(self, d.name) > 1 for d in DIMS if d.splits_model and not (d.quiet and self.at_default(d))
+        )
 
     def label(self) -> str:
-        """`tp=2 pp=2 vpp=2 cp=1 dp=1`: every dimension, as the planner and the trainer print it."""
-        return " ".join(f"{name}={degree}" for name, degree in self.items())
+        """`tp=2 pp=2 vpp=2 cp=1 dp=1`: every dimension (the quiet ones, ep and etp, where not at
+        their default), as the planner and the trainer print it."""
+        return " ".join(f"{name}={degree}" for name, degree in self._shown())
 
     def short(self) -> str:
-        """`tp2_pp2_vpp2`: the dimensions above 1 (`dp1` for a single rank), as --layouts reads them."""
-        return "_".join(f"{name}{degree}" for name, degree in self.items() if degree > 1) or "dp1"
+        """`tp2_pp2_vpp2`: the dimensions not at their default (`dp1` for a single rank), as --layouts
+        reads them."""
+        changed = [(d.name, getattr(self, d.name)) for d in DIMS if not self.at_default(d)]
+        return "_".join(f"{name}{degree}" for name, degree in changed) or "dp1"
 
     def overrides(self, derived: tuple[str, ...] = ()) -> list[str]:
         """`parallel.NAME=DEGREE` for every dimension but the `derived` ones (dp, which the
-        composition derives from the world size): the composition that gives this layout."""
-        return [f"parallel.{name}={degree}" for name, degree in self.items() if name not in derived]
+        composition derives from the world size) and the quiet ones at their default (left unset, they
+        get it): the composition that gives this layout."""
+        return [f"parallel.{name}={degree}" for name, degree in self._shown() if name not in derived]
 
     @classmethod
     def parse(cls, text: str) -> ParallelDims:

@@ -162,7 +162,7 @@ def _cp_options(cfg: Config, chosen: dict) -> list[int]:
 
 
 # Each dimension's degrees worth trying, given those chosen before it (DIMS order); a dimension
-# without an entry (or that the backend does not train with) stays at 1, dp is what is left.
+# without an entry (or that the backend does not train with) stays at its default, dp is what is left.
 DEGREE_OPTIONS: dict[str, Callable[[Config, dict], list[int]]] = {
     "tp": lambda cfg, chosen: _tp_options(cfg),
     "pp": _pp_options,
@@ -178,7 +178,9 @@ def _degree_choices(cfg: Config, supported, names: list[str], chosen: dict):
         return
     name, rest = names[0], names[1:]
     options = DEGREE_OPTIONS.get(name) if name in supported else None
-    for degree in options(cfg, chosen) if options else [1]:
+    # without options, the default: a number, or None for one that follows another (etp = tp)
+    default = next(d.default for d in DIMS if d.name == name)
+    for degree in options(cfg, chosen) if options else [default if isinstance(default, int) else None]:
         yield from _degree_choices(cfg, supported, rest, {**chosen, name: degree})
 
 

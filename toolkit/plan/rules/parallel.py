@@ -178,9 +178,13 @@ def uneven_fix(num_layers: int, pp: int, vpp: int) -> str:
 def backend_dims(cfg: Config) -> Iterator[Violation]:
     """The model-parallel dimensions the layout uses that the backend does not train with."""
     p, be = cfg.parallel, backend_of(cfg)
-    # model-parallel dimension (or tensor parallel's options) -> (field, value), for those this layout uses
+    dims = ParallelDims.of(p, dp=1)
+    # model-parallel dimension (or tensor parallel's options) -> (field, value), for those this
+    # layout uses (etp left to follow tp is tp's)
     in_use = {
-        d.name: (f"parallel.{d.name}", getattr(p, d.name)) for d in DIMS if d.splits_model and getattr(p, d.name) > 1
+        d.name: (f"parallel.{d.name}", getattr(dims, d.name))
+        for d in DIMS
+        if d.splits_model and getattr(dims, d.name) > 1 and not (d.quiet and dims.at_default(d))
     }
     for option, field in (("sp", "sequence_parallel"), ("tp_overlap", "tp_comm_overlap")):
         if getattr(p, field):
