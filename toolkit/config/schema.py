@@ -299,7 +299,8 @@ class MoeConfig:
     aux_loss_coeff: float = non_negative(1e-2)  # the load-balancing loss's weight
     z_loss_coeff: Optional[float] = positive_or_null(None)  # router z-loss (Zoph et al. 2022, "ST-MoE", eq. 5)
     expert_bias_update_rate: float = non_negative(1e-3)  # load_balancing=expert_bias's step
-    capacity_factor: Optional[float] = positive_or_null(None)  # tokens an expert takes / its fair share; unset: dropless
+    # tokens an expert takes over its fair share (tokens x top-k / experts); unset: dropless
+    capacity_factor: Optional[float] = positive_or_null(None)
     token_drop_policy: TokenDropPolicy = TokenDropPolicy.probs
     pad_to_capacity: bool = False  # pad every expert's input to its capacity (needs capacity_factor)
     token_dispatcher: TokenDispatcher = TokenDispatcher.alltoall
