@@ -195,9 +195,7 @@ class ParallelDims:
     def model_splits(self) -> int:
         """How many ways the model is split (each dimension that does, above 1, counts once; one
         that follows another at its default, etp = tp, does not count again)."""
-        return sum(
-            getattr(self, d.name) > 1 for d in DIMS if d.splits_model and not (d.quiet and self.at_default(d))
-        )
+        return sum(getattr(self, d.name) > 1 for d in DIMS if d.splits_model and not (d.quiet and self.at_default(d)))
 
     def label(self) -> str:
         """`tp=2 pp=2 vpp=2 cp=1 dp=1`: every dimension (the quiet ones, ep and etp, where not at
