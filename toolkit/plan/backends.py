@@ -72,6 +72,28 @@ TRANSFORMER_ENGINE_TP_OVERLAP = Package(
 )
 
 
+# megatron-core's grouped GEMM over the local experts is Transformer Engine's GroupedLinear (its
+# local spec's GroupedMLP needs the CUDA-only grouped_gemm package instead).
+TRANSFORMER_ENGINE_GROUPED_GEMM = Package(
+    module="transformer_engine.pytorch",
+    install="transformer-engine[pytorch]",
+    field="model.moe.grouped_gemm",
+    value="True",
+    why="the experts' grouped GEMM is Transformer Engine's GroupedLinear",
+    instead="model.moe.grouped_gemm=false",
+)
+# megatron-core's flex dispatcher runs DeepEP's fused dispatch/combine kernels (token_dispatcher.py,
+# MoEFlexTokenDispatcher); DeepEP is built from source against the machine's CUDA and NVSHMEM.
+DEEP_EP = Package(
+    module="deep_ep",
+    install="deep_ep (built from github.com/deepseek-ai/DeepEP)",
+    field="model.moe.token_dispatcher",
+    value="flex",
+    why="the flex dispatcher runs DeepEP's kernels",
+    instead="model.moe.token_dispatcher=alltoall",
+)
+
+
 @dataclass(frozen=True)
 class Backend:
     name: str
@@ -83,6 +105,7 @@ class Backend:
     # of {"tp", "pp", "vpp", "cp", "sp", "ep", "etp"} and "tp_overlap" (tensor-parallel communication overlapped
     # with the GEMMs); dp always
     parallel_dims: frozenset[str]
+    moe: bool  # mixture-of-experts models (model.moe.num_experts)
     recompute: tuple[str, ...]  # recompute granularities
     precisions: tuple[str, ...]
     offload: bool  # ZeRO optimizer/parameter offload
@@ -142,6 +165,7 @@ MEGATRON = Backend(
     zero_meaning="stage 1 is Megatron's distributed optimizer (optimizer state sharded over dp x cp)",
     pipeline_zero_stages=(0, 1),
     parallel_dims=frozenset({"tp", "pp", "vpp", "cp", "sp", "tp_overlap", "ep", "etp"}),
+    moe=True,
     recompute=("none", "selective", "full"),
     precisions=("fp32", "bf16", "fp16", "fp8"),
     offload=False,
@@ -175,7 +199,7 @@ MEGATRON = Backend(
     megatron_lm_entry=True,
     dist_init_weights=True,  # megatron_backend's setup loads or saves them
     # Context parallel, sequence parallel and sliding windows run without TE (toolkit.train's local spec).
-    packages=(TRANSFORMER_ENGINE_FP8, TRANSFORMER_ENGINE_TP_OVERLAP),
+    packages=(TRANSFORMER_ENGINE_FP8, TRANSFORMER_ENGINE_TP_OVERLAP, TRANSFORMER_ENGINE_GROUPED_GEMM, DEEP_EP),
 )
 
 DEEPSPEED = Backend(
@@ -185,6 +209,7 @@ DEEPSPEED = Backend(
     zero_meaning="ZeRO stages 1-3 shard optimizer state, then gradients, then parameters",
     pipeline_zero_stages=(0, 1),  # DeepSpeed's PipelineEngine
     parallel_dims=frozenset({"pp"}),
+    moe=False,
     recompute=("none", "full"),  # transformers models checkpoint whole layers
     precisions=("fp32", "bf16", "fp16"),
     offload=True,

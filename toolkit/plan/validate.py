@@ -24,6 +24,7 @@ from toolkit.plan.layout import Layout, resolve
 from toolkit.plan.rules import (
     batch,
     capabilities,
+    experts,
     model,
     parallel,
     precision,
@@ -78,6 +79,8 @@ _ERROR_RULES: tuple[Callable[[Config], Iterator[Violation]], ...] = (
     parallel.world,
     parallel.layout,
     parallel.backend_dims,
+    experts.dense,
+    experts.experts,
     batch.split,
     capabilities.backend,
     zero.offload,
@@ -135,6 +138,7 @@ def validate(
         errors += [v for v in found if v.severity == ERROR]
         warnings += [v for v in found if v.severity != ERROR]
     if not errors:
+        warnings += list(experts.etp_default(cfg))
         warnings += list(slow.slow_layouts(cfg, resolve(cfg)))
     return Report(tuple(errors), tuple(warnings), packages)
 

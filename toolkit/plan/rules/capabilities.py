@@ -69,9 +69,20 @@ def _set_rope(cfg: Config, be: Backend, can: str) -> str:
     return f"set {settings}, or {can}"
 
 
+def _moe(cfg: Config, be: Backend) -> dict:
+    return {"model.moe.num_experts": cfg.model.moe.num_experts} if cfg.model.moe.num_experts is not None else {}
+
+
 # In the order they are reported. The fields of each violation are what `asks` returns, plus
 # backend.name (except for the sliding window, whose fix names the backend).
 CAPABILITIES: tuple[Capability, ...] = (
+    Capability(
+        "moe_backend",
+        _moe,
+        lambda be, cfg: be.moe,
+        lambda cfg, be: f"the {be.name} backend trains dense models only",
+        lambda cfg, be, can: f"use {can}",
+    ),
     Capability(
         "zero_pipeline",
         lambda cfg, be: {"zero.stage": cfg.zero.stage, "parallel.pp": cfg.parallel.pp} if cfg.parallel.pp > 1 else {},

@@ -1,0 +1,165 @@
+"""Mixture-of-experts layers and expert parallelism: what megatron-core's TransformerConfig
+(__post_init__), its parallel_state (the expert mesh) and Megatron-LM's arguments.py
+(validate_args) refuse, and the settings whose silent defaults surprise."""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+from toolkit.config.schema import Config, expert_ffn_size, is_moe, moe_layer_pattern
+from toolkit.plan.layout import world_size
+from toolkit.plan.parallel_dims import ParallelDims
+from toolkit.plan.rules.base import Violation, divisors, err, listing, warn
+
+
+def _dims(cfg: Config) -> ParallelDims:
+    p = cfg.parallel
+    model_parallel = ParallelDims.of(p, dp=1).model_parallel_size
+    return ParallelDims.of(p, dp=p.dp or max(world_size(cfg) // model_parallel, 1))
+
+
+def dense(cfg: Config) -> Iterator[Violation]:
+    """Expert parallel on a model without experts (megatron-core: "num_moe_experts must be non None
+    to use expert-parallel")."""
+    p = cfg.parallel
+    if not is_moe(cfg.model) and (p.ep > 1 or p.etp not in (None, p.tp)):
+        yield err(
+            "ep_dense",
+            {"parallel.ep": p.ep, "parallel.etp": p.etp, "model.moe.num_experts": None},
+            "expert parallel splits a mixture-of-experts model's experts, and this model has none",
+            "set parallel.ep=1 and leave parallel.etp unset, or give the model experts (model.moe.num_experts)",
+        )
+
+
+def experts(cfg: Config) -> Iterator[Violation]:
+    m, p = cfg.model, cfg.parallel
+    if not is_moe(m):
+        return
+    moe, dims = m.moe, _dims(cfg)
+    attention_ranks = dims.tp * dims.cp * dims.dp  # the ranks of one pipeline stage
+    if moe.router_topk > moe.num_experts:
+        yield err(
+            "moe_topk",
+            {"model.moe.router_topk": moe.router_topk, "model.moe.num_experts": moe.num_experts},
+            "each token is routed to more experts than the layer has",
+            f"set model.moe.router_topk<={moe.num_experts}",
+        )
+    if moe.num_experts % dims.ep:
+        good = [e for e in divisors(moe.num_experts) if attention_ranks % (e * dims.etp) == 0]
+        yield err(
+            "moe_ep",
+            {"parallel.ep": dims.ep, "model.moe.num_experts": moe.num_experts},
+            "each expert-parallel rank must hold the same number of whole experts",
+            f"use parallel.ep in {{{listing(good)}}}",
+        )
+    # parallel_state.initialize_model_parallel: the expert mesh etp x ep x expert-dp folds into the
+    # tp x cp x dp ranks of each pipeline stage
+    if attention_ranks % (dims.ep * dims.etp):
+        good = [e for e in divisors(moe.num_experts) if attention_ranks % (e * dims.etp) == 0]
+        yield err(
+            "expert_mesh",
+            {"parallel.ep": dims.ep, "parallel.etp": dims.etp, "tp*cp*dp": attention_ranks},
+            f"the experts fold into each pipeline stage's {attention_ranks} ranks (tp*cp*dp), and "
+            f"ep*etp = {dims.ep * dims.etp} does not divide them",
+            f"use parallel.ep in {{{listing(good)}}}"
+            + (f" (etp={dims.etp}), or parallel.etp=1" if dims.etp > 1 else ""),
+        )
+    if expert_ffn_size(m) % dims.etp:
+        yield err(
+            "moe_ffn_etp",
+            {"parallel.etp": dims.etp, "model.moe.ffn_hidden_size": expert_ffn_size(m)},
+            "each expert's FFN columns do not split evenly across the expert-tensor-parallel ranks",
+            f"use parallel.etp in {{{listing(divisors(expert_ffn_size(m), 64))}}}",
+        )
+    if moe.shared_expert_size and moe.shared_expert_size % dims.tp:
+        yield err(
+            "moe_shared_tp",
+            {"parallel.tp": dims.tp, "model.moe.shared_expert_size": moe.shared_expert_size},
+            "the shared experts are split like the dense MLP, over the tensor-parallel ranks",
+            f"use parallel.tp in {{{listing(divisors(moe.shared_expert_size, 64))}}}",
+        )
+    # Megatron-LM arguments.py validate_args: the dispatcher scatters the sequence-parallel
+    # shards; without it each tp rank would send the same tokens to the experts
+    if dims.tp > 1 and dims.ep > 1 and not p.sequence_parallel:
+        yield err(
+            "moe_ep_tp_sp",
+            {"parallel.tp": dims.tp, "parallel.ep": dims.ep, "parallel.sequence_parallel": False},
+            "expert parallel with tensor parallel needs sequence parallel (Megatron-LM refuses it without)",
+            "set parallel.sequence_parallel=true",
+        )
+    yield from _router(cfg)
+    yield from _layers(cfg)
+
+
+def _router(cfg: Config) -> Iterator[Violation]:
+    """The router and capacity settings TransformerConfig.__post_init__ refuses."""
+    moe = cfg.model.moe
+    if moe.router_topk == 1 and moe.norm_topk_prob and moe.score_function == "softmax":
+        yield err(
+            "moe_top1_softmax",
+            {"model.moe.router_topk": 1, "model.moe.norm_topk_prob": True},
+            "renormalising a single expert's softmax weight gives 1 and no gradient to the router "
+            "(megatron-core asks for the softmax before the top-k)",
+            "set model.moe.norm_topk_prob=false (Switch Transformer's top-1 routing), or model.moe.router_topk>=2",
+        )
+    if moe.load_balancing == "expert_bias" and moe.score_function != "sigmoid":
+        yield err(
+            "moe_expert_bias_score",
+            {"model.moe.load_balancing": "expert_bias", "model.moe.score_function": moe.score_function},
+            "megatron-core's aux-loss-free expert bias ranks sigmoid scores only (as DeepSeek-V3)",
+            "set model.moe.score_function=sigmoid, or another model.moe.load_balancing",
+        )
+    if moe.capacity_factor is not None and moe.load_balancing == "expert_bias":
+        yield err(
+            "moe_capacity_balancing",
+            {"model.moe.capacity_factor": moe.capacity_factor, "model.moe.load_balancing": "expert_bias"},
+            "megatron-core drops tokens over capacity only with aux_loss, seq_aux_loss or no load balancing",
+            "leave model.moe.capacity_factor unset (dropless), or set model.moe.load_balancing=aux_loss",
+        )
+    if moe.pad_to_capacity and moe.capacity_factor is None:
+        yield err(
+            "moe_pad_capacity",
+            {"model.moe.pad_to_capacity": True, "model.moe.capacity_factor": None},
+            "padding each expert's input to its capacity needs a capacity (dropless routing has none)",
+            "set model.moe.capacity_factor (e.g. 1.0), or model.moe.pad_to_capacity=false",
+        )
+    if moe.token_dispatcher == "flex" and cfg.parallel.tp * cfg.parallel.ep == 1:
+        yield err(
+            "moe_flex_ranks",
+            {"model.moe.token_dispatcher": "flex", "parallel.tp": cfg.parallel.tp, "parallel.ep": cfg.parallel.ep},
+            "the flex dispatcher's kernels exchange tokens between expert ranks, and there is one",
+            "set model.moe.token_dispatcher=alltoall, or parallel.ep>=2",
+        )
+
+
+def _layers(cfg: Config) -> Iterator[Violation]:
+    m = cfg.model
+    outside = [i for i in m.moe.dense_layers if not 0 <= i < m.num_layers]
+    if outside:
+        yield err(
+            "moe_dense_layers",
+            {"model.moe.dense_layers": list(m.moe.dense_layers), "model.num_layers": m.num_layers},
+            f"layers {listing(outside)} do not exist (layers are numbered 0..{m.num_layers - 1})",
+            f"list layers in 0..{m.num_layers - 1}",
+        )
+    elif not any(moe_layer_pattern(m)):
+        yield err(
+            "moe_no_layers",
+            {"model.moe.layer_freq": m.moe.layer_freq, "model.moe.dense_layers": list(m.moe.dense_layers)},
+            "no layer is left a mixture-of-experts layer",
+            "set model.moe.layer_freq=1 and model.moe.dense_layers=[], or model.moe.num_experts=null for a dense model",
+        )
+
+
+def etp_default(cfg: Config) -> Iterator[Violation]:
+    """A warning: etp left unset follows tp, so tp2 ep4 spreads each MoE layer over 8 ranks."""
+    p = cfg.parallel
+    if is_moe(cfg.model) and p.etp is None and p.tp > 1 and p.ep > 1:
+        yield warn(
+            "etp_follows_tp",
+            {"parallel.tp": p.tp, "parallel.ep": p.ep, "parallel.etp": None},
+            f"parallel.etp is unset and follows tp, as megatron-core's: each expert is split over {p.tp} ranks "
+            f"and each MoE layer spans etp*ep = {p.tp * p.ep} ranks",
+            f"set parallel.etp={p.tp} to keep it, or parallel.etp=1 to keep each expert whole "
+            f"(an expert group of {p.ep} ranks)",
+        )
