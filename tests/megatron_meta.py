@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 import os
 from contextlib import contextmanager
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -14,10 +15,11 @@ from torch.testing._internal.distributed.fake_pg import FakeStore
 
 from toolkit.emit.megatron import megatron_sections
 from toolkit.plan.layout import resolve
+from toolkit.train.mcore_cpu import _SynchronousStream
 
 
 @contextmanager
-def fake_rank(rank: int, world: int, tp: int, pp: int, vpp: int):
+def fake_rank(rank: int, world: int, tp: int, pp: int, vpp: int, ep: int = 1, etp: int | None = None):
     from toolkit.compat import import_shims
 
     import_shims()
@@ -29,6 +31,8 @@ def fake_rank(rank: int, world: int, tp: int, pp: int, vpp: int):
             tensor_model_parallel_size=tp,
             pipeline_model_parallel_size=pp,
             virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None,
+            expert_model_parallel_size=ep,
+            expert_tensor_parallel_size=etp,
             create_gloo_process_groups=False,
         )
         yield parallel_state
@@ -38,17 +42,31 @@ def fake_rank(rank: int, world: int, tp: int, pp: int, vpp: int):
 
 
 @contextmanager
-def meta_chunks(cfg, tp: int = 1, pp: int = 1, vpp: int = 1, stage: int = 0, first=None, last=None):
+def meta_chunks(
+    cfg, tp: int = 1, pp: int = 1, vpp: int = 1, stage: int = 0, first=None, last=None, ep: int = 1, etp=None
+):
     """The GPTModel chunks of tensor rank 0 of pipeline `stage`, parameters on the meta device
-    (buffers that megatron-core computes on the CPU, such as RoPE's inv_freq, hold real values)."""
+    (buffers that megatron-core computes on the CPU, such as RoPE's inv_freq, hold real values).
+    Expert parallel folds into data-parallel ranks: dp is what the expert mesh needs."""
     from toolkit.train.megatron_model import build_model_chunks
 
+    dp = max(ep * (etp or tp) // tp, 1)
     cfg = dataclasses.replace(
         cfg,
         parallel=dataclasses.replace(
-            cfg.parallel, tp=tp, pp=pp, vpp=vpp, dp=None, cp=1, first_stage_layers=first, last_stage_layers=last
+            cfg.parallel,
+            tp=tp,
+            pp=pp,
+            vpp=vpp,
+            dp=None,
+            cp=1,
+            ep=ep,
+            etp=etp,
+            sequence_parallel=tp > 1 and ep > 1,
+            first_stage_layers=first,
+            last_stage_layers=last,
         ),
-        cluster=dataclasses.replace(cfg.cluster, nodes=1, gpus_per_node=tp * pp),
+        cluster=dataclasses.replace(cfg.cluster, nodes=1, gpus_per_node=tp * pp * dp),
     )
     sections = megatron_sections(cfg, resolve(cfg))
     sections["model_parallel"].update(
@@ -60,8 +78,11 @@ def meta_chunks(cfg, tp: int = 1, pp: int = 1, vpp: int = 1, stage: int = 0, fir
         fp16=False,
     )
     sections["transformer"].update(fp8=None, transformer_impl="local", init_model_with_meta_device=True)
-    # Megatron orders ranks tp-fastest: global rank = stage * tp + tensor rank (dp=1, cp=1).
-    with attention_env_untouched(), fake_rank(stage * tp, tp * pp, tp, pp, vpp), torch.device("meta"):
+    # Megatron orders ranks tp-fastest, pp outermost: the first rank of `stage` is stage * tp * dp.
+    world = tp * pp * dp
+    # the MoE token dispatcher makes a side stream when built (token_dispatcher.py): a CPU stand-in
+    streams = mock.patch.object(torch.cuda, "Stream", _SynchronousStream)
+    with attention_env_untouched(), streams, fake_rank(stage * tp * dp, world, tp, pp, vpp, ep, etp), torch.device("meta"):
         yield build_model_chunks(sections)
 
 
@@ -83,11 +104,12 @@ def attention_env_untouched():
 
 
 def megatron_rank_params(
-    cfg, tp: int, pp: int, vpp: int, stage: int, first: int | None = None, last: int | None = None
+    cfg, tp: int, pp: int, vpp: int, stage: int, first=None, last=None, ep: int = 1, etp: int | None = None
 ) -> dict:
-    """{"total": n, "embedding": n, "output": n} for tensor rank 0 of pipeline `stage`."""
-    with meta_chunks(cfg, tp, pp, vpp, stage, first, last) as chunks:
-        counts = {"total": 0, "embedding": 0, "output": 0}
+    """{"total": n, "embedding": n, "output": n, "experts": n} for tensor rank 0 of pipeline `stage`
+    (experts: the parameters megatron-core reduces over the expert-data-parallel ranks, allreduce=False)."""
+    with meta_chunks(cfg, tp, pp, vpp, stage, first, last, ep, etp) as chunks:
+        counts = {"total": 0, "embedding": 0, "output": 0, "experts": 0}
         for chunk in chunks:
             for name, p in chunk.named_parameters():
                 counts["total"] += p.numel()
@@ -95,4 +117,6 @@ def megatron_rank_params(
                     counts["embedding"] += p.numel()
                 if name.startswith("output_layer."):
                     counts["output"] += p.numel()
+                if not getattr(p, "allreduce", True):
+                    counts["experts"] += p.numel()
         return counts

@@ -8,7 +8,7 @@ from megatron_meta import megatron_rank_params
 
 from toolkit.families.hf_config import hf_config
 from toolkit.plan.layout import padded_vocab_size, stage_layer_counts
-from toolkit.plan.params import hf_model_params, model_params, stage_params
+from toolkit.plan.params import all_stage_params, hf_model_params, model_params, stage_params
 
 # model -> (tp, pp, vpp) layouts that split it evenly
 LAYOUTS = {
@@ -21,6 +21,8 @@ LAYOUTS = {
     "gpt3_175b": [(1, 1, 1), (8, 8, 1), (8, 4, 3), (4, 4, 2, 20, 20)],
     "qwen2_0_5b": [(1, 1, 1), (2, 4, 3)],
     "mistral_7b": [(1, 1, 1), (8, 4, 2)],
+    "tiny_moe": [(1, 1, 1), (2, 2, 1)],
+    "mixtral_8x7b": [(1, 1, 1), (8, 4, 2)],
 }
 CASES = [(model, *layout, None, None)[:6] for model, layouts in LAYOUTS.items() for layout in layouts]
 
@@ -41,9 +43,44 @@ def test_stage_params_equal_megatron_gptmodel(compose, model, tp, pp, vpp, first
     layers = stage_layer_counts(cfg.model.num_layers, pp, vpp, first, last)
     for stage in range(pp):
         real = megatron_rank_params(cfg, tp, pp, vpp, stage, first, last)
-        planned = stage_params(cfg.model, padded, tp, pp, stage, layers[stage])
+        planned = all_stage_params(cfg.model, padded, tp, pp, layers, vpp)[stage]
         assert planned.total == real["total"], (stage, planned, real)
         assert planned.embedding == real["embedding"] and planned.output == real["output"], (stage, planned, real)
+
+
+# MoE layouts: (model, tp, pp, vpp, ep, etp, overrides); the experts' weights are those
+# megatron-core reduces over the expert-data-parallel ranks (allreduce=False)
+MOE_CASES = [
+    ("tiny_moe", 1, 1, 1, 2, None, ()),
+    ("tiny_moe", 2, 1, 1, 2, None, ()),
+    ("tiny_moe", 2, 1, 1, 2, 1, ()),
+    ("tiny_moe", 1, 2, 2, 4, None, ()),
+    ("tiny_moe", 2, 2, 1, 4, 1, ("model.moe.shared_expert_size=128", "model.moe.shared_expert_gate=true")),
+    ("tiny_moe", 1, 2, 1, 2, None, ("model.moe.layer_freq=2",)),
+    ("tiny_moe", 1, 2, 2, 2, None, ("model.moe.dense_layers=[0,3]", "model.qk_layernorm=true")),
+    ("mixtral_8x7b", 8, 4, 1, 8, 1, ()),
+    ("mixtral_8x7b", 2, 2, 2, 4, None, ()),
+]
+
+
+@pytest.mark.parametrize(
+    "model,tp,pp,vpp,ep,etp,overrides", MOE_CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(MOE_CASES)]
+)
+def test_moe_stage_params_equal_megatron_gptmodel(compose, model, tp, pp, vpp, ep, etp, overrides):
+    cfg = compose(f"model={model}", *overrides)
+    padded = padded_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by, tp)
+    planned = all_stage_params(cfg.model, padded, tp, pp, None, vpp, ep, etp or tp)
+    for stage in range(pp):
+        real = megatron_rank_params(cfg, tp, pp, vpp, stage, ep=ep, etp=etp)
+        assert (planned[stage].total, planned[stage].experts) == (real["total"], real["experts"]), (stage, real)
+
+
+def test_active_params_count_the_routed_experts(compose):
+    """Mixtral 8x7B: 46.7B parameters, 12.9B active per token (Jiang et al. 2024, section 2)."""
+    m = compose("model=mixtral_8x7b").model
+    assert round(model_params(m) / 1e9, 1) == 46.7 and round(model_params(m, active=True) / 1e9, 1) == 12.9
+    dense = compose("model=mistral_7b").model
+    assert model_params(dense, active=True) == model_params(dense)
 
 
 @pytest.mark.parametrize("model", sorted(LAYOUTS))

@@ -8,6 +8,7 @@ import dataclasses
 import re
 
 import pytest
+import test_experts_validate
 import test_validate
 
 from toolkit.config.schema import Bounds, Config
@@ -52,7 +53,9 @@ def test_a_value_outside_a_fields_bounds_is_refused_by_name(compose, path, bound
 
 
 def test_every_capability_has_a_reject_case():
-    cased = {rule for rule, *_ in test_validate.ERROR_CASES} | {rule for rule, *_ in CASES}
+    cased = {rule for rule, *_ in test_validate.ERROR_CASES + test_experts_validate.CASES} | {
+        rule for rule, *_ in CASES
+    }
     cased.add("hf_path_backend")  # no backend lacks it: the last test here gives one a description without
     for capability in capabilities.CAPABILITIES:
         pattern = re.compile(capability.rule.replace("{b}", "(megatron|deepspeed)").replace("{dtype}", "fp8") + "$")

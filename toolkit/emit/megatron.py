@@ -9,7 +9,7 @@ Plain data only: toolkit.train.megatron_configs turns the sections into the mega
 
 from __future__ import annotations
 
-from toolkit.config.schema import Config
+from toolkit.config.schema import Config, expert_ffn_size, is_moe, moe_layer_pattern
 from toolkit.plan.layout import Layout
 from toolkit.plan.lr_schedule import lr_schedule
 from toolkit.plan.parallel_dims import DIMS
@@ -96,6 +96,41 @@ def _transformer(cfg: Config) -> dict:
         "fp8": cfg.precision.fp8_format if cfg.precision.dtype == "fp8" else None,
         "cp_comm_type": str(cfg.parallel.cp_comm_type) if cfg.parallel.cp > 1 else None,
         "transformer_impl": "transformer_engine" if needs_te else "local",
+        "qk_layernorm": m.qk_layernorm,
+        **_moe(cfg),
+    }
+
+
+def _moe(cfg: Config) -> dict:
+    """TransformerConfig's moe_* fields (megatron-core transformer_config.py); none for a dense model."""
+    m, moe = cfg.model, cfg.model.moe
+    if not is_moe(m):
+        return {}
+    balancing = "none" if moe.load_balancing in ("expert_bias", "none") else str(moe.load_balancing)
+    return {
+        "num_moe_experts": moe.num_experts,
+        "moe_router_topk": moe.router_topk,
+        # megatron-core's default (topk then softmax) renormalises the chosen experts' weights;
+        # pre-softmax keeps the full softmax's weights (HF norm_topk_prob=false)
+        "moe_router_pre_softmax": not moe.norm_topk_prob,
+        "moe_router_score_function": str(moe.score_function),
+        "moe_ffn_hidden_size": expert_ffn_size(m),
+        "moe_shared_expert_intermediate_size": moe.shared_expert_size,
+        "moe_shared_expert_gate": moe.shared_expert_gate,
+        "moe_layer_freq": moe_layer_pattern(m),
+        "moe_router_load_balancing_type": balancing,
+        "moe_aux_loss_coeff": moe.aux_loss_coeff if balancing != "none" else 0.0,
+        "moe_z_loss_coeff": moe.z_loss_coeff,
+        "moe_router_enable_expert_bias": moe.load_balancing == "expert_bias",
+        "moe_router_bias_update_rate": moe.expert_bias_update_rate,
+        "moe_expert_capacity_factor": moe.capacity_factor,
+        "moe_token_drop_policy": str(moe.token_drop_policy),
+        "moe_pad_expert_input_to_capacity": moe.pad_to_capacity,
+        "moe_token_dispatcher_type": str(moe.token_dispatcher),  # flex: megatron-core's default backend, DeepEP
+        "moe_grouped_gemm": moe.grouped_gemm,
+        # the router's scores and the weighted sum of the experts' outputs in fp32 (Megatron-LM
+        # recommends it for training stability: docs moe README, --moe-router-dtype)
+        "moe_router_dtype": "fp32",
     }
 
 

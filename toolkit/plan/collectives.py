@@ -49,3 +49,19 @@ def link_gbs(cfg: Config, group_size: int, stride: int) -> float:
     """The bandwidth such a group communicates over: the node's links, or the network between nodes."""
     c = cfg.cluster
     return c.inter_node_bandwidth_gbs if spans_nodes(cfg, group_size, stride) else c.intra_node_bandwidth_gbs
+
+
+def all_to_all_time(cfg: Config, nbytes: float, group: int, stride: int) -> float:
+    """An all-to-all in which each of `group` ranks (`stride` apart) sends nbytes, an equal share to
+    each rank (its own share stays): every pair at once (NCCL's grouped send/recv), the shares to
+    ranks of the same node over its links and the others over the network, whichever is slower."""
+    if group <= 1:
+        return 0.0
+    c = cfg.cluster
+    in_node = max(1, min(group, c.gpus_per_node // stride))  # the group's ranks on one node
+    on_node, off_node = (in_node - 1) / group * nbytes, (group - in_node) / group * nbytes
+    wire = max(
+        on_node / (c.intra_node_bandwidth_gbs * 1e9 * COLLECTIVE_EFFICIENCY),
+        off_node / (c.inter_node_bandwidth_gbs * 1e9 * COLLECTIVE_EFFICIENCY),
+    )
+    return c.collective_latency_s + wire

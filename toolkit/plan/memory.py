@@ -18,16 +18,22 @@ Large Transformer Models", section 4 (34 s b h + 5 a s^2 b bytes in fp16 with dr
 generalised to GQA, SwiGLU, dropout on/off, any dtype and flash attention (which stores no
 s^2 scores). The first pipeline stage holds the most in-flight micro-batches: p for 1F1B, and
 p*v + p - 1 model chunks for interleaved 1F1B (Korthikanti et al. 2022, section 4.2.3).
+Mixture-of-experts layers: the expert weights' states shard over the expert-data-parallel ranks
+(megatron-core's distributed optimizer keeps them in their own buffers, reduced and sharded over
+the expert-dp group), the rest over dp x cp as a dense model's. Each token's activations pass
+router_topk experts of the expert FFN size, spread over the expert mesh: per rank the dense MLP's
+term with router_topk x the expert FFN, plus the permuted expert inputs and the router's fp32
+scores, times an allowance for uneven routing (the capacity factor, when tokens are dropped).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from toolkit.config.schema import Config, ModelConfig, head_dim, kv_heads
+from toolkit.config.schema import Config, ModelConfig, expert_ffn_size, head_dim, kv_heads
 from toolkit.plan.backends import Backend, GradReduce, backend_named, backend_of
 from toolkit.plan.layout import Layout
-from toolkit.plan.params import layer_params, stage_params
+from toolkit.plan.params import layer_params, layout_stage_params
 
 GIB = 1024**3
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # fp8 keeps bf16 weights/activations
@@ -36,6 +42,9 @@ DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}  # fp8 keeps bf16 weig
 # cuBLAS workspace and NCCL buffers on a GPU.
 FRAGMENTATION = 0.10
 CUDA_RUNTIME_BYTES = 1.0 * GIB
+# Dropless routing bounds no expert's load: allow the busiest rank 25% over the even share, the
+# capacity factor that Switch Transformer trains with (Fedus et al. 2021, section 2.2 and Table 1).
+MOE_IMBALANCE = 1.25
 
 
 @dataclass(frozen=True)
@@ -47,6 +56,9 @@ class ModelStates:
     @property
     def total(self) -> float:
         return self.weights + self.grads + self.optimizer
+
+    def __add__(self, other: ModelStates) -> ModelStates:
+        return ModelStates(self.weights + other.weights, self.grads + other.grads, self.optimizer + other.optimizer)
 
 
 def model_state_bytes(
@@ -102,20 +114,30 @@ def layer_activation_bytes(
     dtype_bytes: int,
     flash: bool = True,
     recompute: str = "none",
+    moe: bool = False,
+    imbalance: float = 1.0,
 ) -> float:
-    """Bytes one transformer layer keeps for backward, per micro-batch, on one TP rank."""
+    """Bytes one transformer layer (`moe`: a mixture-of-experts layer, its busiest rank
+    `imbalance` over the even share) keeps for backward, per micro-batch, on one TP rank."""
     tokens = micro_batch * seq
     h, d = m.hidden_size, head_dim(m)
     q, kv = m.num_attention_heads * d, kv_heads(m) * d
-    ffn_in = m.ffn_hidden_size * (2 if m.activation == "swiglu" else 1)
+    gated = 2 if m.activation == "swiglu" else 1
     replicated = 1 / tp if sp else 1.0  # outside the TP region: split only by sequence parallel
     mask = 1 if m.hidden_dropout > 0 else 0  # 1-byte dropout masks
     if recompute == "full":
         return dtype_bytes * tokens * h * replicated  # the layer's input only
     outside = tokens * h * (dtype_bytes * (2 + 1 + 1) + 2 * mask) * replicated  # 2 norm inputs, QKV & MLP inputs
-    inside = (
-        tokens * dtype_bytes * ((q + 2 * kv) + q + ffn_in + m.ffn_hidden_size) / tp
-    )  # QKV out, proj in, fc1 out, fc2 in
+    if moe:
+        # fc1 out and fc2 in for router_topk experts per token, their permuted inputs, the shared
+        # experts' fc1 out and fc2 in, and the router's fp32 scores and probabilities
+        routed = m.moe.router_topk * tokens * (expert_ffn_size(m) * (gated + 1) + h) * dtype_bytes * imbalance
+        shared = tokens * (m.moe.shared_expert_size or 0) * (gated + 1) * dtype_bytes
+        router = 2 * 4 * tokens * m.moe.num_experts * replicated
+        mlp = (routed + shared) / tp + router
+    else:
+        mlp = tokens * dtype_bytes * m.ffn_hidden_size * (gated + 1) / tp
+    inside = tokens * dtype_bytes * ((q + 2 * kv) + q) / tp + mlp  # QKV out, proj in, fc1 out, fc2 in
     heads = m.num_attention_heads / tp
     if flash or recompute == "selective":
         core = 4 * heads * seq * micro_batch if flash else 0.0  # fp32 log-sum-exp per row
@@ -176,20 +198,18 @@ def stage_memory(cfg: Config, layout: Layout, stage: int, flash: bool | None = N
     flash = (on_gpu and cfg.train.attention_backend == "flash") if flash is None else flash
     dtype = cfg.precision.dtype
     nbytes = DTYPE_BYTES[dtype]
-    params = stage_params(m, layout.padded_vocab_size, layout.tp, layout.pp, stage, layout.stage_layers[stage])
-    shard = layout.dp * layout.cp  # Megatron's distributed optimizer and ZeRO shard over DP x CP
+    params = layout_stage_params(m, layout, stage)
     backend = backend_of(cfg)
     zero_stage = backend.effective_zero(z.stage)
-    states = model_state_bytes(
-        params.total,
-        dtype,
-        backend,
-        zero_stage,
-        shard,
-        cfg.precision.grad_reduce_in_fp32,
-        z.offload_optimizer != "none",
-        z.offload_param != "none",
-    )
+
+    def states_of(count: int, shard: int) -> ModelStates:
+        offload = (z.offload_optimizer != "none", z.offload_param != "none")
+        return model_state_bytes(count, dtype, backend, zero_stage, shard, cfg.precision.grad_reduce_in_fp32, *offload)
+
+    # Megatron's distributed optimizer and ZeRO shard over DP x CP; the experts over expert-dp
+    states = states_of(params.dense, layout.dp * layout.cp)
+    if params.experts:
+        states += states_of(params.experts, layout.dims.edp)
 
     seq = layout.seq_length // layout.cp
     per_layer = layer_activation_bytes(
@@ -198,10 +218,25 @@ def stage_memory(cfg: Config, layout: Layout, stage: int, flash: bool | None = N
     layers_per_chunk = layout.stage_layers[stage] // layout.vpp
     chunks = inflight_chunks(layout.pp, layout.vpp, layout.num_microbatches, stage)
     activations = chunks * layers_per_chunk * per_layer
+    imbalance = m.moe.capacity_factor or MOE_IMBALANCE
+    if params.moe_layers:  # those of the chunk's layers that are MoE layers keep more
+        per_moe_layer = layer_activation_bytes(
+            m, layout.micro_batch, seq, layout.tp, p.sequence_parallel, nbytes, flash, r.granularity, True, imbalance
+        )
+        activations += chunks * params.moe_layers / layout.vpp * (per_moe_layer - per_layer)
     tokens = layout.gpu_tokens
     if r.granularity == "full":  # one chunk's layers are live again while recomputed
         activations += r.num_layers * layer_activation_bytes(
-            m, layout.micro_batch, seq, layout.tp, p.sequence_parallel, nbytes, flash
+            m,
+            layout.micro_batch,
+            seq,
+            layout.tp,
+            p.sequence_parallel,
+            nbytes,
+            flash,
+            "none",
+            bool(params.moe_layers),
+            imbalance,
         )
     if stage == 0:  # embedding output kept for the first layer's backward
         activations += chunks * tokens * m.hidden_size * nbytes / (layout.tp if p.sequence_parallel else 1)
@@ -211,6 +246,8 @@ def stage_memory(cfg: Config, layout: Layout, stage: int, flash: bool | None = N
         logits = tokens * layout.padded_vocab_size / layout.tp * (nbytes + 4 + 4)
 
     buffers = 2 * tokens * m.hidden_size * nbytes  # pipeline send/recv or sequence-parallel all-gather
+    if params.moe_layers:  # the token dispatcher's send and receive buffers: router_topk copies of each token
+        buffers += 2 * m.moe.router_topk * imbalance * tokens * m.hidden_size * nbytes / layout.tp
     if backend.grad_reduce is GradReduce.ZERO_STAGED and zero_stage >= 1:
         # Gradient reduction buckets (DeepSpeed runtime/zero/stage_1_and_2.py, stage3.py): ZeRO-2/3
         # allocate reduce_bucket_size elements whatever the model's size, ZeRO-2 twice with

@@ -26,6 +26,14 @@ GPU (Patarasuk & Yuan 2009); overlapped with the last micro-batch's backward whe
 overlaps (Megatron overlap_grad_reduce / DeepSpeed overlap_comm; zero.overlap_comm=false turns
 it off). ZeRO-3 gathers parameters for every micro-batch's forward and backward (Rajbhandari et
 al. 2020, section 7.2.2), prefetched.
+Mixture of experts: an MoE layer's MLP is router_topk experts' GEMMs per token (on each rank
+router_topk x the rank's tokens, over the expert FFN / etp, times the routing imbalance) and the
+router's; its tokens go to their experts and back in an all-to-all each way, forward and backward
+(megatron-core's MoEAlltoAllTokenDispatcher: dispatch and combine), each rank sending router_topk
+copies of its tokens, (ep-1)/ep of them off the rank, over the links the expert group spans
+(Lepikhin et al. 2021, "GShard", section 3.2; Liu et al. 2025, arXiv 2504.14960, section 3), and
+with etp > 1 an all-gather and reduce-scatter of those tokens over the etp ranks. The experts'
+gradients reduce over the expert-data-parallel ranks, the rest over dp x cp.
 """
 
 from __future__ import annotations
@@ -33,9 +41,9 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from toolkit.config.schema import Config, head_dim, kv_heads
+from toolkit.config.schema import Config, expert_ffn_size, head_dim, kv_heads
 from toolkit.plan.backends import Backend, GradReduce, backend_of
-from toolkit.plan.collectives import link_gbs, overlapped, p2p_time, ring_time
+from toolkit.plan.collectives import all_to_all_time, link_gbs, overlapped, p2p_time, ring_time
 from toolkit.plan.flops import step_flops
 from toolkit.plan.kernels import (
     ATTENTION_EFFICIENCY,
@@ -49,7 +57,7 @@ from toolkit.plan.kernels import (
     unfused_attention,
 )
 from toolkit.plan.layout import Layout
-from toolkit.plan.memory import DTYPE_BYTES
+from toolkit.plan.memory import DTYPE_BYTES, MOE_IMBALANCE
 from toolkit.plan.params import all_stage_params
 
 # ZeRO-3 prefetches parameters one or two layers ahead: gathers hide under at most half of the
@@ -76,10 +84,15 @@ class StepEstimate:
     # One micro-batch's forward and backward on each pipeline stage (the last adds the logits):
     # how even the stages are decides the pipeline's pace (the slowest one sets it).
     stage_times: tuple[float, ...] = ()
+    ep_comm: float = 0.0  # the MoE layers' all-to-all (and etp) token traffic of the slowest stage
 
     @property
     def comm_share(self) -> float:
-        return (self.tp_comm + self.pp_comm + self.dp_comm) / self.step_time
+        return (self.tp_comm + self.pp_comm + self.dp_comm + self.ep_comm) / self.step_time
+
+    @property
+    def all_to_all_share(self) -> float:
+        return self.ep_comm / self.step_time
 
 
 def _elementwise_bytes(m, tokens: int, tp: int, sp: bool, nbytes: int) -> float:
@@ -141,8 +154,9 @@ class LayerCost:
     """One transformer layer, one micro-batch, forward and backward (and any recompute) on one GPU."""
 
     compute: float  # the work of the device (on a CPU node: of its shared cores)
-    comm: float  # tensor- and context-parallel communication it waits on
+    comm: float  # tensor-, context- and expert-parallel communication it waits on
     tp_comm: float  # of which tensor parallel
+    ep_comm: float = 0.0  # of which the experts' token all-to-all (MoE layers)
 
 
 def _attention_time(cfg: Config, layout: Layout, r: Rates, tokens: int) -> tuple[float, float]:
@@ -189,8 +203,36 @@ def _context_parallel_comm(cfg: Config, layout: Layout, r: Rates, tokens: int, a
     return overlapped(3 * kv_pass, attention_s)
 
 
-def layer_cost(cfg: Config, layout: Layout, backend: Backend, r: Rates, stack) -> LayerCost:
-    """A layer's compute (which shares a CPU node's cores) and its communication (which waits)."""
+def _moe_gemms(cfg: Config, layout: Layout) -> list[tuple[float, float, float]]:
+    """(M, N, K) of an MoE layer's MLP GEMMs on one rank: the router's, the rank's experts' over
+    router_topk x its tokens (times the imbalance) and the shared experts' (split by tp)."""
+    m, d = cfg.model, layout.dims
+    h, tokens, gated = m.hidden_size, layout.gpu_tokens, 2 if m.activation == "swiglu" else 1
+    routed = m.moe.router_topk * tokens * d.etp / d.tp * (m.moe.capacity_factor or MOE_IMBALANCE)
+    ffn = expert_ffn_size(m) / d.etp
+    gemms = [(tokens, m.moe.num_experts, h), (routed, gated * ffn, h), (routed, h, ffn)]
+    if m.moe.shared_expert_size:
+        shared = m.moe.shared_expert_size / d.tp
+        gemms += [(tokens, gated * shared, h), (tokens, h, shared)]
+    return gemms
+
+
+def _expert_comm(cfg: Config, layout: Layout, r: Rates) -> float:
+    """One MoE layer's token traffic for a micro-batch: the all-to-all over the ep ranks each way,
+    forward and backward (again under full recompute), and with etp > 1 the all-gather and
+    reduce-scatter of the received tokens over the etp ranks."""
+    m, d, c = cfg.model, layout.dims, cfg.cluster
+    passes = 4 + (2 if cfg.recompute.granularity == "full" else 0)
+    imbalance = m.moe.capacity_factor or MOE_IMBALANCE
+    sent = m.moe.router_topk * layout.gpu_tokens / d.tp * m.hidden_size * r.nbytes * imbalance
+    alltoall = all_to_all_time(cfg, sent, d.ep, d.stride("ep"))
+    gather = ring_time(sent * d.etp, d.etp, link_gbs(cfg, d.etp, 1), 1.0, c.collective_latency_s)
+    return passes * (alltoall + gather)
+
+
+def layer_cost(cfg: Config, layout: Layout, backend: Backend, r: Rates, stack, moe: bool = False) -> LayerCost:
+    """A layer's (`moe`: an MoE layer's) compute, which shares a CPU node's cores, and its
+    communication, which waits."""
     m, c, p = cfg.model, cfg.cluster, cfg.parallel
     tp, h, d = layout.tp, cfg.model.hidden_size, head_dim(cfg.model)
     tokens = layout.gpu_tokens
@@ -198,8 +240,12 @@ def layer_cost(cfg: Config, layout: Layout, backend: Backend, r: Rates, stack) -
     ffn_in = m.ffn_hidden_size * (2 if m.activation == "swiglu" else 1)
     recompute = cfg.recompute.granularity
 
-    gemms = [((q + 2 * kv) / tp, h), (h, q / tp), (ffn_in / tp, h), (h, m.ffn_hidden_size / tp)]  # (N, K)
-    times = [linear_time(c, tokens, n, k, r.gemm, r.nbytes, _wgrad_bytes(backend, r.nbytes)) for n, k in gemms]
+    gemms = [(tokens, (q + 2 * kv) / tp, h), (tokens, h, q / tp)]  # (M, N, K)
+    if moe:
+        gemms += _moe_gemms(cfg, layout)
+    else:
+        gemms += [(tokens, ffn_in / tp, h), (tokens, h, m.ffn_hidden_size / tp)]
+    times = [linear_time(c, t, n, k, r.gemm, r.nbytes, _wgrad_bytes(backend, r.nbytes)) for t, n, k in gemms]
     gemm_fwd = sum(f for f, _ in times)
     gemm_bwd = sum(b for _, b in times)
     core_fwd, core_bwd = _attention_time(cfg, layout, r, tokens)
@@ -221,8 +267,9 @@ def layer_cost(cfg: Config, layout: Layout, backend: Backend, r: Rates, stack) -
         # tp_comm_overlap; Wang et al. 2023, "Overlap Communication with Dependent Computation via
         # Decomposition in Large Deep Learning Models", section 3): hidden up to the layer's GEMMs
         tp_comm = overlapped(tp_comm, gemm_fwd * (2 if recompute == "full" else 1) + gemm_bwd)
-    comm = tp_comm + _context_parallel_comm(cfg, layout, r, tokens, core_fwd + core_bwd)
-    return LayerCost(compute, comm, tp_comm)
+    ep_comm = _expert_comm(cfg, layout, r) if moe else 0.0
+    comm = tp_comm + _context_parallel_comm(cfg, layout, r, tokens, core_fwd + core_bwd) + ep_comm
+    return LayerCost(compute, comm, tp_comm, ep_comm)
 
 
 def logits_cost(cfg: Config, layout: Layout, backend: Backend, r: Rates, stack) -> tuple[float, float]:
@@ -241,11 +288,23 @@ def logits_cost(cfg: Config, layout: Layout, backend: Backend, r: Rates, stack) 
     return compute, comm
 
 
-def stage_times(cfg: Config, layout: Layout, layer: LayerCost, logits: tuple[float, float], step_s: float):
+def stage_times(
+    cfg: Config,
+    layout: Layout,
+    layer: LayerCost,
+    logits: tuple[float, float],
+    step_s: float,
+    moe: tuple[LayerCost, tuple[int, ...]] | None = None,
+):
     """One micro-batch's forward and backward on each pipeline stage (the last adds the logits), and
-    how much slower the shared CPU cores run it (1 on GPUs)."""
+    how much slower the shared CPU cores run it (1 on GPUs). `moe`: an MoE layer's cost and how
+    many of each stage's layers are MoE layers."""
     work = [n * layer.compute for n in layout.stage_layers]
     comm = [n * layer.comm for n in layout.stage_layers]
+    if moe:
+        moe_layer, counts = moe
+        work = [t + n * (moe_layer.compute - layer.compute) for t, n in zip(work, counts)]
+        comm = [t + n * (moe_layer.comm - layer.comm) for t, n in zip(comm, counts)]
     work[-1] += logits[0]
     comm[-1] += logits[1]
     if cfg.cluster.device == "cpu":  # gloo's collectives are the cores' own work: copies through
@@ -276,13 +335,22 @@ def pipeline_comm(cfg: Config, layout: Layout, r: Rates, compute: float) -> floa
     return sends
 
 
-def data_parallel_comm(cfg: Config, layout: Layout, backend: Backend, params: int, per_microbatch: float) -> float:
-    """Exposed gradient (and parameter) traffic of a step among the dp x cp replicas, by the way the
-    backend reduces: bucketed and overlapped (Megatron DDP), once after the backward (DeepSpeed
-    ZeRO 0/1), or every micro-batch (ZeRO-2/3)."""
+def data_parallel_comm(
+    cfg: Config,
+    layout: Layout,
+    backend: Backend,
+    params: int,
+    per_microbatch: float,
+    group: tuple[int, int] | None = None,
+) -> float:
+    """Exposed gradient (and parameter) traffic of a step among the dp x cp replicas (`group`: the
+    size and stride of other replicas, the experts' expert-dp ranks), by the way the backend
+    reduces: bucketed and overlapped (Megatron DDP), once after the backward (DeepSpeed ZeRO 0/1),
+    or every micro-batch (ZeRO-2/3)."""
     c, nbytes = cfg.cluster, DTYPE_BYTES[cfg.precision.dtype]
-    shard, num_mb = layout.dp * layout.cp, layout.num_microbatches
-    bw = link_gbs(cfg, shard, layout.dims.stride("cp"))  # the cp x dp ranks
+    shard, stride = group or (layout.dp * layout.cp, layout.dims.stride("cp"))  # the cp x dp ranks
+    num_mb = layout.num_microbatches
+    bw = link_gbs(cfg, shard, stride)
 
     def ring(nbytes_: float, factor: float) -> float:
         return ring_time(nbytes_, shard, bw, factor, c.collective_latency_s)
@@ -328,19 +396,30 @@ def estimate_step(cfg: Config, layout: Layout, backend: Backend | None = None) -
     stack = c.stack.get(backend.name)  # measured costs of the software stack (`parakit probe`)
     step_s = stack.step_s if stack else 0.0
 
+    d = layout.dims
+    stage_params = all_stage_params(m, layout.padded_vocab_size, d.tp, d.pp, layout.stage_layers, d.vpp, d.ep, d.etp)
     layer = layer_cost(cfg, layout, backend, r, stack)
-    stages, sharing = stage_times(cfg, layout, layer, logits_cost(cfg, layout, backend, r, stack), step_s)
+    moe_counts = tuple(s.moe_layers for s in stage_params)
+    moe = (layer_cost(cfg, layout, backend, r, stack, moe=True), moe_counts) if any(moe_counts) else None
+    stages, sharing = stage_times(cfg, layout, layer, logits_cost(cfg, layout, backend, r, stack), step_s, moe)
     slowest = max(range(layout.pp), key=stages.__getitem__)
     per_microbatch = stages[slowest]
     bubble = (layout.pp - 1) / layout.vpp * per_microbatch
     compute = layout.num_microbatches * per_microbatch + bubble
 
-    stage_params = all_stage_params(m, layout.padded_vocab_size, layout.tp, layout.pp, layout.stage_layers)
-    params = max(s.total for s in stage_params)
+    busiest = max(stage_params, key=lambda s: s.total)
     zero = backend.effective_zero(cfg.zero.stage)
     pp_comm = pipeline_comm(cfg, layout, r, compute)
-    dp_comm = data_parallel_comm(cfg, layout, backend, params, per_microbatch)
-    optimizer = optimizer_time(cfg, params / (layout.dp * layout.cp if zero >= 1 else 1), r)
+    if busiest.experts:  # the experts reduce over their expert-dp ranks, the rest over dp x cp
+        edp = (d.edp, d.stride("edp"))
+        dp_comm = data_parallel_comm(cfg, layout, backend, busiest.dense, per_microbatch)
+        dp_comm += data_parallel_comm(cfg, layout, backend, busiest.experts, per_microbatch, edp)
+        shard = busiest.dense / (d.dp * d.cp) + busiest.experts / d.edp if zero >= 1 else busiest.total
+        optimizer = optimizer_time(cfg, shard, r)
+    else:
+        params = busiest.total
+        dp_comm = data_parallel_comm(cfg, layout, backend, params, per_microbatch)
+        optimizer = optimizer_time(cfg, params / (layout.dp * layout.cp if zero >= 1 else 1), r)
 
     step = compute + pp_comm + dp_comm + optimizer + c.step_overhead_s + step_s * sharing
     flops = step_flops(m, layout.seq_length, layout.global_batch, cfg.recompute.granularity, layout.padded_vocab_size)
@@ -358,4 +437,5 @@ def estimate_step(cfg: Config, layout: Layout, backend: Backend | None = None) -
         mfu=flops.model / step / world / mfu_peak_flops(cfg),
         hfu=flops.hardware / step / world / mfu_peak_flops(cfg),
         stage_times=tuple(stages),
+        ep_comm=layout.num_microbatches * moe_counts[slowest] * moe[0].ep_comm if moe else 0.0,
     )

@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from toolkit.config.schema import Config
+from toolkit.config.schema import Config, is_moe
 from toolkit.plan.backends import backend_of
 from toolkit.plan.layout import Layout, resolve, stage_layer_counts, world_size
 from toolkit.plan.memory import GIB, MemoryEstimate, peak_memory
@@ -161,6 +161,26 @@ def _cp_options(cfg: Config, chosen: dict) -> list[int]:
     return [cp for cp in CPS if cp == 1 or seq % (2 * cp) == 0] if seq >= 8192 else [1]
 
 
+def _ep_options(cfg: Config, chosen: dict) -> list[int]:
+    """Expert parallel for MoE models: the divisors of the experts that divide a stage's ranks."""
+    if not is_moe(cfg.model):
+        return [1]
+    stage_ranks = world_size(cfg) // chosen["pp"]
+    return [
+        e
+        for e in range(1, cfg.model.moe.num_experts + 1)
+        if cfg.model.moe.num_experts % e == 0 and stage_ranks % e == 0
+    ]
+
+
+def _etp_options(cfg: Config, chosen: dict) -> list[int | None]:
+    """Each expert split like the dense layers (etp follows tp: unset) or kept whole (etp=1)."""
+    if not is_moe(cfg.model) or chosen["tp"] == 1:
+        return [None]
+    stage_ranks = world_size(cfg) // chosen["pp"]
+    return [t for t in (None, 1) if stage_ranks % (chosen["ep"] * (t or chosen["tp"])) == 0]
+
+
 # Each dimension's degrees worth trying, given those chosen before it (DIMS order); a dimension
 # without an entry (or that the backend does not train with) stays at its default, dp is what is left.
 DEGREE_OPTIONS: dict[str, Callable[[Config, dict], list[int]]] = {
@@ -168,6 +188,8 @@ DEGREE_OPTIONS: dict[str, Callable[[Config, dict], list[int]]] = {
     "pp": _pp_options,
     "vpp": lambda cfg, chosen: list(VPPS) if chosen["pp"] > 1 else [1],
     "cp": _cp_options,
+    "ep": _ep_options,
+    "etp": _etp_options,
 }
 
 

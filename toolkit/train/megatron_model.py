@@ -69,12 +69,13 @@ class TorchNorm:
         return norm
 
 
-def layer_spec(transformer_config, sdpa: bool | None = None):
+def layer_spec(transformer_config, sdpa: bool | None = None, num_experts: int | None = None):
     """The decoder layer's spec. Transformer Engine's when megatron-core has TE on a GPU (TE then
     runs context parallel as ring attention, sliding windows and fp8); else megatron-core's local
     spec, with torch norms that run under sequence parallel where apex's are absent, and torch
     SDPA as core attention (toolkit.train.sdpa_attention) on a GPU (unless train.attention_backend
-    is unfused), for context parallel, or when `sdpa` asks for it."""
+    is unfused), for context parallel, or when `sdpa` asks for it. `num_experts`: a mixture-of-experts
+    layer's (megatron-core's MoELayer; sequential experts without grouped GEMM)."""
     from megatron.core.models.gpt.gpt_layer_specs import (
         get_gpt_layer_local_spec,
         get_gpt_layer_with_transformer_engine_spec,
@@ -83,9 +84,14 @@ def layer_spec(transformer_config, sdpa: bool | None = None):
     from megatron.core.transformer.torch_norm import WrappedTorchNorm
 
     on_gpu = torch.cuda.is_available()
+    layer = {
+        "num_experts": num_experts,
+        "moe_grouped_gemm": bool(num_experts) and transformer_config.moe_grouped_gemm,
+        "qk_layernorm": transformer_config.qk_layernorm,
+    }
     if on_gpu and have_transformer_engine():
-        return get_gpt_layer_with_transformer_engine_spec()
-    spec = get_gpt_layer_local_spec(normalization=transformer_config.normalization)
+        return get_gpt_layer_with_transformer_engine_spec(**layer)
+    spec = get_gpt_layer_local_spec(normalization=transformer_config.normalization, **layer)
     layer = spec.submodules
     if layer.input_layernorm is WrappedTorchNorm:  # no apex
         layer.input_layernorm = layer.pre_mlp_layernorm = TorchNorm
@@ -105,15 +111,38 @@ def attention_kernel(spec) -> str:
     return getattr(core, "__name__", str(core))
 
 
-def _block_spec(transformer_config, layer, vp_stage):
-    """The chunk's layers and its final norm. TransformerBlock takes megatron-core's own norm for a
-    bare layer spec, which refuses sequence parallel without apex or TE: name the layer's."""
-    from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
+def decoder_layer_specs(transformer_config, spec=None) -> list:
+    """One spec per layer of the model: `spec` (default layer_spec's) for the dense layers and its
+    mixture-of-experts twin where megatron-core's moe_layer_freq (a list, as emitted) says so."""
+    dense = spec or layer_spec(transformer_config)
+    if not transformer_config.num_moe_experts:
+        return [dense] * transformer_config.num_layers
+    moe = layer_spec(transformer_config, num_experts=transformer_config.num_moe_experts)
+    return [moe if is_moe else dense for is_moe in transformer_config.moe_layer_freq]
 
-    if layer.submodules.input_layernorm is not TorchNorm:
-        return layer
+
+def _block_spec(transformer_config, specs: list, vp_stage):
+    """The chunk's layers and its final norm, sliced from the model's layer specs as megatron-core's
+    get_gpt_decoder_block_spec does. A bare layer spec (one kind of layer, megatron-core's own
+    norms) lets TransformerBlock build them; it would take megatron-core's norm for the final one,
+    which refuses sequence parallel without apex or TE: name the layers' own."""
+    from megatron.core.transformer.identity_op import IdentityOp
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+        get_transformer_layer_offset,
+    )
+
+    norm = specs[0].submodules.input_layernorm
+    if norm is not TorchNorm and all(s is specs[0] for s in specs):
+        return specs[0]
+    if norm is IdentityOp:  # Transformer Engine's spec fuses it into the QKV projection
+        from megatron.core.extensions.transformer_engine import TENorm
+
+        norm = TENorm
+    offset = get_transformer_layer_offset(transformer_config, vp_stage=vp_stage)
     count = get_num_layers_to_build(transformer_config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer] * count, layer_norm=TorchNorm)
+    return TransformerBlockSubmodules(layer_specs=specs[offset : offset + count], layer_norm=norm)
 
 
 def build_model_chunks(sections: dict, transformer_config=None, spec=None) -> list:
@@ -124,13 +153,13 @@ def build_model_chunks(sections: dict, transformer_config=None, spec=None) -> li
         transformer_config, _, _ = build_megatron_configs(sections)
     gpt = sections["gpt_model"]
     vpp = transformer_config.virtual_pipeline_model_parallel_size
-    spec = spec or layer_spec(transformer_config)
+    specs = decoder_layer_specs(transformer_config, spec)
     chunks = []
     for vp_stage in range(vpp or 1):
         stage = vp_stage if vpp else None
         chunk = GPTModel(
             config=transformer_config,
-            transformer_layer_spec=_block_spec(transformer_config, spec, stage),
+            transformer_layer_spec=_block_spec(transformer_config, specs, stage),
             vocab_size=gpt["vocab_size"],
             max_sequence_length=gpt["max_sequence_length"],
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
