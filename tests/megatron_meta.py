@@ -82,7 +82,8 @@ def meta_chunks(
     world = tp * pp * dp
     # the MoE token dispatcher makes a side stream when built (token_dispatcher.py): a CPU stand-in
     streams = mock.patch.object(torch.cuda, "Stream", _SynchronousStream)
-    with attention_env_untouched(), streams, fake_rank(stage * tp * dp, world, tp, pp, vpp, ep, etp), torch.device("meta"):
+    rank = fake_rank(stage * tp * dp, world, tp, pp, vpp, ep, etp)
+    with attention_env_untouched(), streams, rank, torch.device("meta"):
         yield build_model_chunks(sections)
 
 

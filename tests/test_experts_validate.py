@@ -12,6 +12,8 @@ SP = "parallel.sequence_parallel=true"
 # rule, overrides it rejects, neighbouring overrides it accepts, a field the message must name
 CASES = [
     ("ep_dense", ["parallel.ep=2"], ["parallel.ep=1"], "parallel.ep"),
+    ("moe_family", [MOE, "model.family=llama"], [MOE, "model.family=qwen3_moe"], "model.family"),
+    ("moe_family", ["model.family=mixtral"], ["model.family=qwen3"], "model.family"),
     ("moe_topk", [MOE, "model.moe.router_topk=5"], [MOE, "model.moe.router_topk=4"], "model.moe.router_topk"),
     (
         "moe_ep",

@@ -30,6 +30,9 @@ class Family(StrEnum):
     qwen2 = "qwen2"
     mistral = "mistral"
     gpt2 = "gpt2"
+    mixtral = "mixtral"
+    qwen3 = "qwen3"
+    qwen3_moe = "qwen3_moe"
 
 
 class LoadBalancing(StrEnum):

@@ -9,8 +9,10 @@ from __future__ import annotations
 from toolkit.families.base import Family
 from toolkit.families.gpt2 import GPT2
 from toolkit.families.llama import LLAMA, MISTRAL, QWEN2
+from toolkit.families.mixtral import MIXTRAL
+from toolkit.families.qwen3 import QWEN3, QWEN3_MOE
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, QWEN2, MISTRAL, GPT2)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, QWEN2, MISTRAL, GPT2, MIXTRAL, QWEN3, QWEN3_MOE)}
 
 
 def family_of(name: str) -> Family:

@@ -36,6 +36,12 @@ class Family:
     positions_name: str | None = None  # learned absolute position embeddings
     final_norm: str  # prefix of the final norm's weight (and bias)
     norm_bias: bool = False
+    experts = None  # an MoE family's tensor names of a layer (toolkit.families.experts.ExpertNames)
+
+    @property
+    def moe(self) -> bool:
+        """Whether its models are mixtures of experts (and only they)."""
+        return self.experts is not None
 
     # --- config.json in, transformers config out
     def fields(self, c: dict, path) -> dict:

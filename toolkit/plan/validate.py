@@ -80,6 +80,7 @@ _ERROR_RULES: tuple[Callable[[Config], Iterator[Violation]], ...] = (
     parallel.layout,
     parallel.backend_dims,
     experts.dense,
+    experts.family,
     experts.experts,
     batch.split,
     capabilities.backend,

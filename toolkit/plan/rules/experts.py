@@ -7,6 +7,7 @@ from __future__ import annotations
 from typing import Iterator
 
 from toolkit.config.schema import Config, expert_ffn_size, is_moe, moe_layer_pattern
+from toolkit.families import FAMILIES, family_of
 from toolkit.plan.layout import world_size
 from toolkit.plan.parallel_dims import ParallelDims
 from toolkit.plan.rules.base import Violation, divisors, err, listing, warn
@@ -28,6 +29,22 @@ def dense(cfg: Config) -> Iterator[Violation]:
             {"parallel.ep": p.ep, "parallel.etp": p.etp, "model.moe.num_experts": None},
             "expert parallel splits a mixture-of-experts model's experts, and this model has none",
             "set parallel.ep=1 and leave parallel.etp unset, or give the model experts (model.moe.num_experts)",
+        )
+
+
+def family(cfg: Config) -> Iterator[Violation]:
+    """A Hugging Face family is either a mixture of experts (Mixtral, Qwen3-MoE) or dense: its
+    config and weights express only that."""
+    m = cfg.model
+    fam = family_of(m.family)
+    if fam.moe != is_moe(m):
+        kinds = [name for name, f in FAMILIES.items() if f.moe == is_moe(m)]
+        yield err(
+            "moe_family",
+            {"model.family": m.family, "model.moe.num_experts": m.moe.num_experts},
+            f"family {m.family} is a {'mixture-of-experts' if fam.moe else 'dense'} architecture and this model "
+            f"{'has no experts' if fam.moe else 'has experts'}",
+            f"use model.family in {{{listing(kinds)}}}" + ("" if is_moe(m) else ", or set model.moe.num_experts"),
         )
 
 
