@@ -13,7 +13,14 @@ SP = "parallel.sequence_parallel=true"
 CASES = [
     ("ep_dense", ["parallel.ep=2"], ["parallel.ep=1"], "parallel.ep"),
     ("moe_family", [MOE, "model.family=llama"], [MOE, "model.family=qwen3_moe"], "model.family"),
-    ("moe_family", ["model.family=mixtral"], ["model.family=qwen3"], "model.family"),
+    ("moe_family", ["model.family=mixtral"], ["model.family=qwen3", "model.qk_layernorm=true"], "model.family"),
+    (
+        "family_qk_layernorm",
+        ["model.family=qwen3"],
+        ["model.family=qwen3", "model.qk_layernorm=true"],
+        "model.qk_layernorm",
+    ),
+    ("family_qk_layernorm", ["model.qk_layernorm=true"], ["model.qk_layernorm=false"], "model.qk_layernorm"),
     ("moe_topk", [MOE, "model.moe.router_topk=5"], [MOE, "model.moe.router_topk=4"], "model.moe.router_topk"),
     (
         "moe_ep",

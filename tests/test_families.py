@@ -45,7 +45,8 @@ def test_every_family_of_the_schema_is_registered_once():
 
 @pytest.mark.parametrize("name", [f.value for f in FamilyName])
 def test_a_family_builds_its_own_transformers_configuration(compose, name):
-    m = compose("model=tiny_moe" if family_of(name).moe else "model=tiny", f"model.family={name}").model
+    qk = f"model.qk_layernorm={family_of(name).qk_layernorm}"
+    m = compose("model=tiny_moe" if family_of(name).moe else "model=tiny", f"model.family={name}", qk).model
     config = family_of(name).hf_config(m)
     # transformers' own name for the architecture: the model_type its config.json carries
     assert config.model_type == name

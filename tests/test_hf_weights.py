@@ -71,7 +71,10 @@ LLAMA = {**json.loads((QWEN2_CONFIG / "config.json").read_text()), "model_type":
         (None, "model=hf needs model.hf_path=DIR"),
         ("missing", "no such directory"),
         ("empty", "no config.json"),
-        ({"model_type": "bert"}, "model_type 'bert' is not supported (supported: llama, qwen2, mistral, gpt2)"),
+        (
+            {"model_type": "bert"},
+            "model_type 'bert' is not supported (supported: llama, qwen2, mistral, gpt2, mixtral, qwen3, qwen3_moe)",
+        ),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "RoPE scaling 'yarn' is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
         ({"attention_bias": True}, "attention_bias=True with mlp_bias=False"),

@@ -36,6 +36,7 @@ class Family:
     positions_name: str | None = None  # learned absolute position embeddings
     final_norm: str  # prefix of the final norm's weight (and bias)
     norm_bias: bool = False
+    qk_layernorm = False  # an RMSNorm over each head's queries and keys (model.qk_layernorm)
     experts = None  # an MoE family's tensor names of a layer (toolkit.families.experts.ExpertNames)
 
     @property

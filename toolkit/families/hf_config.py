@@ -7,13 +7,14 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from toolkit.config.schema import ModelConfig
+from toolkit.config.schema import ModelConfig, MoeConfig, expert_ffn_size, is_moe, plain
 from toolkit.families import FAMILIES, family_of
 from toolkit.formats.hf_arch import (
     ARCHITECTURE,
     DEFAULT_SEQ_LENGTH,
     HF_PATH_FIX,
     LLAMA3_SCALING,
+    MOE_ARCHITECTURE,
     HfConfigError,
     read_config,
 )
@@ -38,6 +39,8 @@ def model_fields(path: str | os.PathLike | None) -> dict:
     except KeyError as e:
         raise HfConfigError(f"model.hf_path={path}: config.json has no {e.args[0]!r}; {HF_PATH_FIX}") from None
     positions = fields["max_position_embeddings"]
+    # a dense family's fields leave these out: the schema's defaults (no QK norm, no experts)
+    fields = {"qk_layernorm": False, **fields, "moe": {**plain(MoeConfig()), **fields.get("moe", {})}}
     return {
         "name": Path(str(path)).expanduser().resolve().name,
         "family": family.name,
@@ -84,6 +87,9 @@ def mismatches(model, path) -> dict[str, tuple]:
         if scaling.type == "llama3"
         else {"type": "none"}
     )
+    ours["moe"] = {name: getattr(model.moe, name) for name in MOE_ARCHITECTURE}
+    ours["moe"]["ffn_hidden_size"] = expert_ffn_size(model) if is_moe(model) else None
+    theirs["moe"] = {name: theirs["moe"][name] for name in MOE_ARCHITECTURE}
     if theirs["rope_scaling"]["type"] == "none":
         theirs["rope_scaling"] = {"type": "none"}
     differ = [name for name in ARCHITECTURE if name in ours and not _same(ours[name], theirs[name])]

@@ -15,6 +15,8 @@ from toolkit.families.llama import LlamaLike
 
 
 class Qwen3(LlamaLike):
+    qk_layernorm = True
+
     def _variant(self, c: dict, attention_bias: bool, window, path) -> dict:
         window = window if c.get("use_sliding_window", False) else None
         return {
@@ -40,7 +42,7 @@ class Qwen3Moe(Qwen3):
         only_dense = set(c.get("mlp_only_layers") or [])
         dense = [i for i in range(layers) if i in only_dense or (i + 1) % step]
         moe = moe_fields(
-            c.get("num_experts", 128),
+            c.get("num_local_experts", c.get("num_experts", 128)),  # saved under its attribute_map name
             c.get("num_experts_per_tok", 8),
             c["moe_intermediate_size"],
             bool(c.get("norm_topk_prob", False)),

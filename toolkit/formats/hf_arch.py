@@ -38,6 +38,19 @@ ARCHITECTURE = (
     "add_bias_linear",
     "add_qkv_bias",
     "norm_epsilon",
+    "qk_layernorm",
+    "moe",
+)
+# model.moe's fields that are the architecture (config.json's), compared as "moe"
+MOE_ARCHITECTURE = (
+    "num_experts",
+    "router_topk",
+    "norm_topk_prob",
+    "ffn_hidden_size",
+    "shared_expert_size",
+    "shared_expert_gate",
+    "layer_freq",
+    "dense_layers",
 )
 
 

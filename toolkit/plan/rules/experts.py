@@ -33,8 +33,8 @@ def dense(cfg: Config) -> Iterator[Violation]:
 
 
 def family(cfg: Config) -> Iterator[Violation]:
-    """A Hugging Face family is either a mixture of experts (Mixtral, Qwen3-MoE) or dense: its
-    config and weights express only that."""
+    """A Hugging Face family is either a mixture of experts (Mixtral, Qwen3-MoE) or dense, with or
+    without QK layernorm (Qwen3): its config and weights express only that."""
     m = cfg.model
     fam = family_of(m.family)
     if fam.moe != is_moe(m):
@@ -45,6 +45,15 @@ def family(cfg: Config) -> Iterator[Violation]:
             f"family {m.family} is a {'mixture-of-experts' if fam.moe else 'dense'} architecture and this model "
             f"{'has no experts' if fam.moe else 'has experts'}",
             f"use model.family in {{{listing(kinds)}}}" + ("" if is_moe(m) else ", or set model.moe.num_experts"),
+        )
+
+    if fam.qk_layernorm != m.qk_layernorm:
+        yield err(
+            "family_qk_layernorm",
+            {"model.family": m.family, "model.qk_layernorm": m.qk_layernorm},
+            f"family {m.family} {'normalises' if fam.qk_layernorm else 'does not normalise'} "
+            "each head's queries and keys",
+            f"set model.qk_layernorm={str(fam.qk_layernorm).lower()}",
         )
 
 
