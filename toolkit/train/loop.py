@@ -9,7 +9,7 @@ or the backend's own overflow check dropped the update) the optimizer update.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
 
@@ -33,6 +33,8 @@ class Gradients:
 
     loss: float
     grads_finite: bool | None = None
+    # other losses of the step to log (mixture-of-experts: the router's load-balancing and z-losses)
+    extra: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass
@@ -157,7 +159,7 @@ def train(
                 memory.step_done()
                 continue
             update = steps.update()
-            metrics.step(step, grads.loss, steps.lr(), update.grad_norm, not update.applied)
+            metrics.step(step, grads.loss, steps.lr(), update.grad_norm, not update.applied, grads.extra)
             memory.step_done()
             if cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or step == layout.last_step):
                 with watchdog.suspended():

@@ -67,6 +67,8 @@ class _SynchronousStream:
     def __getattr__(self, name):
         if name.startswith("__"):
             raise AttributeError(name)
+        if name == "record_event":  # the MoE token dispatcher waits on the event it records
+            return lambda *a, **k: _SynchronousStream()
         return lambda *a, **k: True if name == "query" else None
 
 
@@ -109,11 +111,20 @@ def _fork_write_results_queue() -> None:
         filesystem_async._results_queue = multiprocessing.get_context("fork").Manager().Queue()
 
 
+def _split_sizes_on_host(tensor, as_numpy: bool = False, record_stream: bool = False):
+    """moe_utils.maybe_move_tensor_to_cpu where tensors are already on the host: it turns the
+    all-to-all's split sizes into numpy only when they come from a GPU, and gloo's
+    all_to_all_single takes no tensor for them."""
+    return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
+
+
 def _patch_megatron() -> None:
     from megatron.core.tensor_parallel import random as megatron_random
+    from megatron.core.transformer.moe import moe_utils, token_dispatcher
 
     megatron_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     megatron_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
+    moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = _split_sizes_on_host
     _fork_write_results_queue()
 
 

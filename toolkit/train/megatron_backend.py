@@ -285,6 +285,7 @@ class MegatronSteps:
         for chunk in model:
             chunk.zero_grad_buffer()
         self.optimizer.zero_grad()
+        self._moe_losses(None)  # values an evaluation's forward passes left
         outputs = self.forward_backward_func(
             forward_step_func=forward_step,
             data_iterator=self.iterators if len(model) > 1 else self.iterators[0],
@@ -303,7 +304,38 @@ class MegatronSteps:
         grads_bad = 0.0 if self.config.fp16 or _local_grads_finite(model) else 1.0
         total = torch.stack([local.float(), torch.tensor(grads_bad, device=local.device)])  # NCCL: on the GPU
         torch.distributed.all_reduce(total)
-        return Gradients(total[0].item() / layout.dp, None if self.config.fp16 else total[1].item() == 0)
+        finite = None if self.config.fp16 else total[1].item() == 0
+        return Gradients(total[0].item() / layout.dp, finite, self._moe_losses(step))
+
+    def _moe_losses(self, step: int | None) -> dict[str, float]:
+        """The routers' load-balancing loss and z-loss of the step (unscaled by their coefficients),
+        averaged over the MoE layers, micro-batches and data-parallel replicas, as Megatron-LM logs
+        them (megatron-core moe_logging.MoEMetricsTracker.report, collective over every rank); then
+        cleared. `step` None: only clear. {} for a dense model."""
+        config = self.config
+        if not config.num_moe_experts:
+            return {}
+        from megatron.core.transformer.moe.moe_logging import get_moe_metrics_tracker
+
+        tracker = get_moe_metrics_tracker()
+        if step is None:
+            tracker.clear()
+            return {}
+        names = {"moe_z_loss": "z_loss"} if config.moe_z_loss_coeff else {}
+        if config.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss"):
+            balancing = "seq_load_balancing_loss" if config.moe_router_load_balancing_type == "seq_aux_loss" else ""
+            names = {"moe_aux_loss": balancing or "load_balancing_loss", **names}
+        totals: dict = {}
+        tracker.report(
+            loss_scale=1 / self.layout.grad_accum,
+            iteration=step,
+            num_layers=config.num_layers,
+            moe_layer_freq=config.moe_layer_freq,
+            force_initialize=True,  # pipeline ranks without MoE layers join the reduction
+            track_names=list(names.values()),
+            total_loss_dict=totals,
+        )
+        return {ours: float(totals[theirs]) for ours, theirs in names.items() if theirs in totals}
 
     def _sync_params(self) -> None:
         """With overlap_param_gather the distributed optimizer's all-gather of the updated weights

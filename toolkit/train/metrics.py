@@ -98,7 +98,11 @@ class Metrics:
             )
         self._last = time.perf_counter()
 
-    def step(self, step: int, loss: float, lr: float, grad_norm: float | None, skipped: bool) -> None:
+    def step(
+        self, step: int, loss: float, lr: float, grad_norm: float | None, skipped: bool, extra: dict | None = None
+    ) -> None:
+        """Record a step; `extra`: other losses it reports (e.g. moe_aux_loss), logged with it."""
+        extra = extra or {}
         now = time.perf_counter()
         seconds, self._last = now - self._last, now
         record = {
@@ -114,6 +118,7 @@ class Metrics:
             **peak_memory_gib(),
             "predicted_step_time_s": self.predicted_step,
             "predicted_memory_gib": self.predicted_memory,
+            **extra,
         }
         if "memory_reserved_gib" in record:  # GPUs: the allocator's reservation beside the planner's
             record["predicted_reserved_gib"] = self.predicted_reserved
@@ -122,7 +127,7 @@ class Metrics:
             return
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
-        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_gpu", "mfu", "memory_gib"):
+        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_gpu", "mfu", "memory_gib", *extra):
             if record[key] is not None:
                 self._tb.add_scalar(f"train/{key}", record[key], step)
         if self._bar is not None:
@@ -130,7 +135,11 @@ class Metrics:
             self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
         if step % self.cfg.train.log_interval == 0 or step == self.layout.last_step:
             line = (
-                f"step {step:>5}/{self.layout.steps} | loss {loss:.4f} | lr {lr:.3e} | grad norm "
+                f"step {step:>5}/{self.layout.steps} | loss {loss:.4f} | "
+                + "".join(
+                    f"{name.removeprefix('moe_').replace('_', ' ')} {value:.4g} | " for name, value in extra.items()
+                )
+                + f"lr {lr:.3e} | grad norm "
                 f"{grad_norm if grad_norm is None else f'{grad_norm:.3f}'} | {record['step_time_s']:.2f} s "
                 f"(planner {self.predicted_step:.2g} s) | {record['tokens_per_s']:,.0f} tok/s | "
                 f"{record['tflops_per_gpu']:.3g} TFLOP/s/GPU | MFU {record['mfu']:.1%} | " + self._memory_text(record)
