@@ -209,7 +209,9 @@ def dist_checkpoint_parameters(directory: Path) -> dict:
     with tempfile.TemporaryDirectory() as tmp:
         dcp_to_torch_save(str(directory), f"{tmp}/full.pt")
         full = torch.load(f"{tmp}/full.pt", weights_only=False)
-    return {k: v for k, v in full.items() if isinstance(v, torch.Tensor) and not k.startswith("optimizer.")}
+    # optimizer states: "optimizer.*", or "chained_N.optimizer.*" where expert parallel gives the
+    # experts an optimizer of their own (megatron-core's ChainedOptimizer)
+    return {k: v for k, v in full.items() if isinstance(v, torch.Tensor) and "optimizer." not in k}
 
 
 def _pipeline_parameters(layer_files: list) -> dict:

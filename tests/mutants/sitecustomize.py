@@ -111,6 +111,68 @@ def resume_gives_up():
     checkpoint.find_collectively = newest_or_nothing
 
 
+def _when_megatron_builds(patch) -> None:
+    """Run `patch` once megatron-core is imported and set up (when the model is built): importing
+    it here, at interpreter start-up, would come before parakit's CPU set-up."""
+    from toolkit.train import megatron_model
+
+    build = megatron_model.build_model_chunks
+
+    def patched_build(*args, **kwargs):
+        patch()
+        return build(*args, **kwargs)
+
+    megatron_model.build_model_chunks = patched_build
+
+
+def moe_tokens_misrouted():
+    """In a multi-rank run each expert is handed its neighbour's token (the dispatcher's
+    permutation off by one row), as a broken permute/unpermute would do (megatron backend)."""
+
+    def patch():
+        from megatron.core.transformer.moe.token_dispatcher import MoEAlltoAllTokenDispatcher
+
+        postprocess = MoEAlltoAllTokenDispatcher.dispatch_postprocess
+
+        def misrouted(self, hidden_states, probs):
+            tokens, tokens_per_expert, permuted_probs = postprocess(self, hidden_states, probs)
+            return (tokens.roll(1, dims=0) if _multi_rank() else tokens), tokens_per_expert, permuted_probs
+
+        MoEAlltoAllTokenDispatcher.dispatch_postprocess = misrouted
+
+    _when_megatron_builds(patch)
+
+
+def expert_grads_unreduced():
+    """The experts' gradients are not reduced over their expert-data-parallel ranks: every rank
+    applies the first rank's (megatron backend; a DDP that left out the expert buffers)."""
+
+    def patch():
+        import torch
+        from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
+
+        init = DistributedDataParallel.__init__
+
+        def unreduced(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            for bucket_group in self.expert_parallel_bucket_groups:
+                start = bucket_group.start_grad_sync
+
+                def first_ranks_only(*a, bucket_group=bucket_group, start=start, **k):
+                    group = getattr(bucket_group, "intra_distributed_optimizer_instance_group", None)
+                    group = group or bucket_group.data_parallel_group
+                    rank, size = torch.distributed.get_rank(group), torch.distributed.get_world_size(group)
+                    for bucket in bucket_group.buckets:  # the average then is rank 0's own gradient
+                        bucket.grad_data.mul_(size if rank == 0 else 0)
+                    return start(*a, **k)
+
+                bucket_group.start_grad_sync = first_ranks_only
+
+        DistributedDataParallel.__init__ = unreduced
+
+    _when_megatron_builds(patch)
+
+
 MUTATIONS = {
     f.__name__: f
     for f in (
@@ -122,6 +184,8 @@ MUTATIONS = {
         scheduler_state_dropped,
         random_state_not_restored,
         resume_gives_up,
+        moe_tokens_misrouted,
+        expert_grads_unreduced,
     )
 }
 

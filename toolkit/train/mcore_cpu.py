@@ -118,6 +118,37 @@ def _split_sizes_on_host(tensor, as_numpy: bool = False, record_stream: bool = F
     return tensor.numpy() if as_numpy and torch.is_tensor(tensor) else tensor
 
 
+def _uneven_collectives() -> None:
+    """The MoE dispatcher's all-gather and reduce-scatter of unequal shares over the tensor-parallel
+    ranks (tensor_parallel/mappings.py, with output/input split sizes) use torch.distributed's
+    list forms, which gloo refuses for unequal sizes: run them as the equal collectives megatron-core
+    uses otherwise, each share padded to the largest, and cut the padding off."""
+    from megatron.core.tensor_parallel import mappings
+
+    gather, reduce_scatter = mappings._gather_along_first_dim, mappings._reduce_scatter_along_first_dim
+
+    def padded(parts: list, rows: int) -> torch.Tensor:
+        return torch.cat([torch.nn.functional.pad(t, (0, 0) * (t.dim() - 1) + (0, rows - t.shape[0])) for t in parts])
+
+    def gather_uneven(input_, group, output_split_sizes=None, use_global_buffer=False):
+        if output_split_sizes is None or group.size() == 1:
+            return gather(input_, group, output_split_sizes, use_global_buffer)
+        rows = max(output_split_sizes)
+        gathered = gather(padded([input_], rows), group)
+        parts = gathered.split(rows)
+        return torch.cat([part[:size] for part, size in zip(parts, output_split_sizes)])
+
+    def reduce_scatter_uneven(input_, group, input_split_sizes=None, use_global_buffer=False):
+        if input_split_sizes is None or group.size() == 1:
+            return reduce_scatter(input_, group, input_split_sizes, use_global_buffer)
+        rows = max(input_split_sizes)
+        reduced = reduce_scatter(padded(list(input_.split(input_split_sizes)), rows), group)
+        return reduced[: input_split_sizes[group.rank()]]
+
+    mappings._gather_along_first_dim = gather_uneven
+    mappings._reduce_scatter_along_first_dim = reduce_scatter_uneven
+
+
 def _patch_megatron() -> None:
     from megatron.core.tensor_parallel import random as megatron_random
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
@@ -125,6 +156,7 @@ def _patch_megatron() -> None:
     megatron_random._get_cuda_rng_state = lambda *a, **k: torch.get_rng_state()
     megatron_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = _split_sizes_on_host
+    _uneven_collectives()
     _fork_write_results_queue()
 
 
