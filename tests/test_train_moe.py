@@ -3,8 +3,9 @@ sequential experts): expert parallel alone, with tensor parallel (etp following 
 with pipeline parallel reproduces the single-process run -- loss, learning rate, gradient norm
 and the routers' load-balancing loss at every step, and the final parameters -- from one initial
 checkpoint written at ep1 and loaded resharded over the experts. A stopped expert-parallel run
-resumes bit for bit. Mutations: tokens handed to the wrong expert, and expert gradients left
-unreduced over their expert-data-parallel ranks, are caught."""
+resumes bit for bit, and the single process's checkpoint resumes expert-parallel. Full and
+selective recompute run with tensor x expert parallel. Mutations: tokens handed to the wrong
+expert, and expert gradients left unreduced over their expert-data-parallel ranks, are caught."""
 
 import shutil
 
@@ -42,9 +43,16 @@ SP = "parallel.sequence_parallel=true"
 LAYOUTS = {
     # 4 data-parallel ranks, 2 experts each: every expert on 2 ranks (expert-dp 2)
     "dp4_ep2": ["cluster.gpus_per_node=4", "parallel.ep=2"],
-    # each expert split over the 2 tp ranks (etp follows tp): one 4-rank expert mesh
-    "tp2_ep2": ["cluster.gpus_per_node=4", "parallel.tp=2", SP, "parallel.ep=2"],
-    "tp2_ep2_etp1": ["cluster.gpus_per_node=4", "parallel.tp=2", SP, "parallel.ep=2", "parallel.etp=1"],
+    # each expert split over the 2 tp ranks (etp follows tp): one 4-rank expert mesh; recomputed
+    "tp2_ep2": ["cluster.gpus_per_node=4", "parallel.tp=2", SP, "parallel.ep=2", "recompute=full"],
+    "tp2_ep2_etp1": [
+        "cluster.gpus_per_node=4",
+        "parallel.tp=2",
+        SP,
+        "parallel.ep=2",
+        "parallel.etp=1",
+        "recompute=selective",
+    ],
     "pp2_ep2": ["cluster.gpus_per_node=4", "parallel.pp=2", "parallel.ep=2"],
 }
 # Measured over 4 steps against the single process: losses within 9.5e-7, grad norms within
@@ -111,6 +119,21 @@ def test_a_stopped_expert_parallel_run_resumes_exactly(tmp_path, layouts):
     again = Trained(result.run_dir)
     assert again.result["resumed_step"] == 2
     assert_same_training(layouts["tp2_ep2"], again, EXACT)
+
+
+def test_a_single_process_checkpoint_resumes_expert_parallel(tmp_path, reference):
+    """The ep1 run's step-2 checkpoint (model and distributed optimizer) resumed as dp4 x ep2:
+    dist_checkpointing reshards the experts and their optimizer states; steps 3-4 and the final
+    parameters as in the single process."""
+    single, _ = reference
+    checkpoints = tmp_path / "checkpoints"
+    shutil.copytree(single.checkpoints / "step_00000002", checkpoints / "step_00000002")
+    (checkpoints / ckpt.LATEST).write_text("step_00000002\n")
+    result = run(tmp_path, "moved", *COMMON, *LAYOUTS["dp4_ep2"], f"checkpoint.dir={checkpoints}")
+    assert result.returncode == 0, result.stderr[-3000:]
+    moved = Trained(result.run_dir)
+    assert moved.result["resumed_step"] == 2
+    assert_same_training(single.after(2), moved, TOLERANCE)
 
 
 @pytest.mark.mutation

@@ -6,7 +6,8 @@ torch.cuda.current_device() in DDP buffers, p2p buffers, attention masks, the RN
 streams), so instead of patching call sites one by one:
 - a TorchFunctionMode maps CUDA devices to the CPU and makes .cuda()/.pin_memory() no-ops;
 - torch.cuda's device, stream, synchronisation and RNG functions get CPU stand-ins;
-- Tensor.type() reports "torch.cuda.*" where the optimizer checks for it.
+- Tensor.type() reports "torch.cuda.*" where the optimizer checks for it;
+- custom autograd functions' backward runs under the mode too (recompute starts a backward of its own).
 The resume fixes for torch's Adam are not CPU matters: toolkit.train.torch_adam installs them
 wherever megatron-core falls back to it.
 Callers must also set use_cpu_initialization=True, pipeline_dtype, and batch_p2p_comm=False
@@ -160,6 +161,23 @@ def _patch_megatron() -> None:
     _fork_write_results_queue()
 
 
+def _backward_on_cpu() -> None:
+    """Keep the mode on inside custom autograd functions' backward. torch.autograd.backward
+    dispatches __torch_function__ (torch 2.13, torch/autograd/__init__.py), so a backward started
+    by one (recompute's CheckpointFunction, which calls it inside the outer backward) runs while
+    the mode is off the stack; megatron-core's backward functions then allocate on
+    torch.cuda.current_device() (tensor_parallel/mappings.py) and fail without a GPU."""
+    from torch.autograd.function import BackwardCFunction
+
+    apply = BackwardCFunction.apply
+
+    def apply_on_cpu(self, *args):
+        with _CudaOnCpu():
+            return apply(self, *args)
+
+    BackwardCFunction.apply = apply_on_cpu
+
+
 def enable() -> None:
     """Run megatron-core on the CPU from here on (no-op when CUDA is available)."""
     global _mode
@@ -169,5 +187,6 @@ def enable() -> None:
     _patch_torch_cuda()
     _import_megatron_without_compiling()
     _patch_megatron()
+    _backward_on_cpu()
     _mode = _CudaOnCpu()
     _mode.__enter__()

@@ -51,6 +51,18 @@ def _seed(seed: int) -> None:
     model_parallel_cuda_manual_seed(seed)
 
 
+def _experts_apart(chunks: list) -> None:
+    """Keep the routed experts' parameters in DDP's expert buffers at every ep, ep=1 included.
+    megatron-core marks them so (allreduce=False) only from ep > 1 (tensor_parallel/layers.py), and
+    then its optimizer is a chain of a dense and an expert optimizer whose checkpoint keys an ep=1
+    run's single optimizer does not have: a run could not resume into another ep. At ep=1 the
+    expert-data-parallel ranks are the dp x cp ranks, so the reduction is the same."""
+    for chunk in chunks:
+        for name, param in chunk.named_parameters():
+            if ".mlp.experts." in name:
+                param.allreduce = False
+
+
 def _loss(loss_mask: torch.Tensor, tokens: torch.Tensor, poison: bool, output: torch.Tensor):
     """This rank's share of one micro-batch's mean token loss (the schedule divides by the number
     of micro-batches). With context parallel a rank holds part of every sequence: its token losses
@@ -235,6 +247,7 @@ class MegatronSteps:
             load_hf_into_chunks(chunks, cfg.model.hf_path, cfg.model)
         if cfg.train.save_init_checkpoint:
             _save_weights(chunks, cfg.train.save_init_checkpoint)
+        _experts_apart(chunks)
         if config.bf16 or config.fp16:
             chunks = [Float16Module(config, chunk) for chunk in chunks]
         self.chunks = chunks
