@@ -48,8 +48,9 @@ CASES = [
         [MOE, "model.moe.shared_expert_size=100", "parallel.tp=2", SP, "parallel.etp=1"],
         "model.moe.shared_expert_size",
     ),
+    ("moe_tp_sp", [MOE, "parallel.tp=2"], [MOE, "parallel.tp=2", SP], "parallel.sequence_parallel"),
     (
-        "moe_ep_tp_sp",
+        "moe_tp_sp",
         [MOE, "parallel.tp=2", "parallel.ep=2", "parallel.etp=1"],
         [MOE, "parallel.tp=2", "parallel.ep=2", "parallel.etp=1", SP],
         "parallel.sequence_parallel",

@@ -104,13 +104,15 @@ def experts(cfg: Config) -> Iterator[Violation]:
             "the shared experts are split like the dense MLP, over the tensor-parallel ranks",
             f"use parallel.tp in {{{listing(divisors(moe.shared_expert_size, 64))}}}",
         )
-    # Megatron-LM arguments.py validate_args: the dispatcher scatters the sequence-parallel
-    # shards; without it each tp rank would send the same tokens to the experts
-    if dims.tp > 1 and dims.ep > 1 and not p.sequence_parallel:
+    # megatron-core's MoELayer.forward refuses to train with tensor parallel but no sequence
+    # parallel (moe_layer.py; Megatron-LM's validate_args too): each tp rank would route the same
+    # tokens again
+    if dims.tp > 1 and not p.sequence_parallel:
         yield err(
-            "moe_ep_tp_sp",
-            {"parallel.tp": dims.tp, "parallel.ep": dims.ep, "parallel.sequence_parallel": False},
-            "expert parallel with tensor parallel needs sequence parallel (Megatron-LM refuses it without)",
+            "moe_tp_sp",
+            {"parallel.tp": dims.tp, "parallel.sequence_parallel": False},
+            "mixture-of-experts layers with tensor parallel need sequence parallel (megatron-core refuses "
+            "to train without it)",
             "set parallel.sequence_parallel=true",
         )
     yield from _router(cfg)
