@@ -185,6 +185,16 @@ def test_without_a_recipe_or_a_baseline_it_says_what_to_do(tmp_path):
 
 # ------------------------------------------------------------------ runs
 @pytest.mark.slow
+def test_the_moe_recipe_reproduces_its_golden_curve(tmp_path):
+    """tp2 x ep2 on 4 CPU ranks: the first 4 steps of its recorded curve."""
+    done = reproduce(tmp_path, "recipe=tiny_cpu_moe", "--steps", "4")
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    assert "reproduce tiny_cpu_moe: PASS" in done.stdout
+    report = json.loads((tmp_path / "run" / "reproduce.json").read_text())
+    assert report["pass"] and [r["step"] for r in report["loss"]["steps"]] == [1, 2, 3, 4]
+
+
+@pytest.mark.slow
 def test_the_zero3_recipe_reproduces_its_golden_curve(tmp_path):
     done = reproduce(tmp_path, "recipe=tiny_cpu_zero3", "--steps", "4")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
