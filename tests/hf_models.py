@@ -28,6 +28,25 @@ CONFIGS = {
         "MistralConfig",
         dict(COMMON, num_key_value_heads=1, head_dim=24, sliding_window=8, tie_word_embeddings=False),
     ),
+    # Qwen3: RMSNorm over each head's queries and keys; no q/k/v biases.
+    "qwen3": ("Qwen3Config", dict(COMMON, head_dim=16, tie_word_embeddings=False)),
+    # Mixtral: 4 experts of another FFN size than the attention's width, top-2, renormalised.
+    "mixtral": ("MixtralConfig", dict(COMMON, num_local_experts=4, num_experts_per_tok=2, tie_word_embeddings=False)),
+    # Qwen3-MoE: QK norms, 4 experts of moe_intermediate_size, top-2 renormalised, and layer 1 dense
+    # (mlp_only_layers: the dense MLP of intermediate_size).
+    "qwen3_moe": (
+        "Qwen3MoeConfig",
+        dict(
+            COMMON,
+            head_dim=16,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            norm_topk_prob=True,
+            mlp_only_layers=[1],
+            tie_word_embeddings=False,
+        ),
+    ),
     # GPT-2: learned positions, LayerNorm with biases, gelu_new, tied embeddings.
     "gpt2": (
         "GPT2Config",

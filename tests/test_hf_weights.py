@@ -23,14 +23,27 @@ from toolkit.formats.hf_arch import HfConfigError
 
 TESTS = Path(__file__).parent
 QWEN2_CONFIG = TESTS / "data" / "hf_qwen2"  # a config.json only
-FAMILIES = ["llama", "qwen2", "mistral", "gpt2"]
+FAMILIES = ["llama", "qwen2", "mistral", "gpt2", "qwen3", "mixtral", "qwen3_moe"]
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (2, 2, 1), (2, 2, 2)]  # (tp, pp, vpp) on 4 ranks
+# (tp, pp, vpp, ep): the experts split 2 or 4 ways, with tensor parallel (etp following it) or pipeline
+MOE_LAYOUTS = [(2, 1, 1, 2), (1, 2, 2, 2), (1, 1, 1, 4)]
+MOE_FAMILIES = ("mixtral", "qwen3_moe")
+# Qwen3 differs from Llama by its QK norms only: split by tp, and by pp x vpp (the launch's time)
+FEWER_LAYOUTS = {"qwen3": [(2, 1, 1), (2, 2, 2)]}
+
+
+def _layouts(family):
+    if family in MOE_FAMILIES:
+        return MOE_LAYOUTS
+    return [(*layout, 1) for layout in FEWER_LAYOUTS.get(family, LAYOUTS)]
+
+
 # Measured: at most 2.0e-6 over every family and layout (logits up to ~3.2 in size).
 TOLERANCE = 1e-4
 
 
-def _name(family, tp, pp, vpp):
-    return f"{family}-tp{tp}-pp{pp}-vpp{vpp}"
+def _name(family, tp, pp, vpp, ep=1):
+    return f"{family}-tp{tp}-pp{pp}-vpp{vpp}" + (f"-ep{ep}" if ep > 1 else "")
 
 
 # ------------------------------------------------------------------ composition and clear errors
@@ -218,9 +231,9 @@ def logits(tmp_path_factory):
         model = make_model(family, tmp / family)
         with torch.no_grad():
             expected[family] = model(input_ids=tokens, position_ids=torch.arange(16).expand(2, -1)).logits
-        for tp, pp, vpp in LAYOUTS:
+        for layout in _layouts(family):
             overrides = ["model=hf", f"model.hf_path={tmp / family}"]
-            cases.append({"name": _name(family, tp, pp, vpp), "overrides": overrides, "layout": [tp, pp, vpp]})
+            cases.append({"name": _name(family, *layout), "overrides": overrides, "layout": list(layout)})
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONPATH": str(TESTS.parent)}
     converted = str(tmp / "qwen2-megatron")
     convert = subprocess.run(
@@ -252,11 +265,11 @@ def logits(tmp_path_factory):
 @pytest.mark.parametrize("family", FAMILIES)
 def test_megatron_logits_equal_transformers_at_every_layout(logits, family):
     expected = logits["expected"][family]
-    for tp, pp, vpp in LAYOUTS:
-        got = logits["got"][_name(family, tp, pp, vpp)]
-        assert got.shape == expected.shape, _name(family, tp, pp, vpp)
+    for layout in _layouts(family):
+        got = logits["got"][_name(family, *layout)]
+        assert got.shape == expected.shape, _name(family, *layout)
         difference = (got - expected).abs().max().item()
-        assert difference <= TOLERANCE, f"{_name(family, tp, pp, vpp)}: logits differ by {difference}"
+        assert difference <= TOLERANCE, f"{_name(family, *layout)}: logits differ by {difference}"
 
 
 @pytest.mark.slow

@@ -3,7 +3,7 @@ tp/pp/vpp layouts in one launch (parallel_state is rebuilt for each layout).
 
 torchrun --nproc-per-node 4 tests/dist/hf_logits.py CASES.json TOKENS.pt OUT_DIR
 
-CASES.json: a list of {"name", "overrides", "layout": [tp, pp, vpp], "init_checkpoint"?}; each
+CASES.json: a list of {"name", "overrides", "layout": [tp, pp, vpp(, ep)], "init_checkpoint"?}; each
 case builds this rank's chunks from the composed config, fills them from model.hf_path
 (toolkit.families.hf_weights), or from a megatron-core dist checkpoint when init_checkpoint is
 given, and runs a forward-only pipeline schedule over TOKENS.pt (one micro-batch per sequence).
@@ -35,7 +35,8 @@ from toolkit.train.megatron_model import build_model_chunks  # noqa: E402
 
 
 def logits_of(case: dict, tokens: torch.Tensor) -> torch.Tensor | None:
-    tp, pp, vpp = case["layout"]
+    tp, pp, vpp, *rest = case["layout"]
+    ep = rest[0] if rest else 1
     world = torch.distributed.get_world_size()
     cfg = compose_config(
         [
@@ -46,12 +47,15 @@ def logits_of(case: dict, tokens: torch.Tensor) -> torch.Tensor | None:
             f"parallel.tp={tp}",
             f"parallel.pp={pp}",
             f"parallel.vpp={vpp}",
+            f"parallel.ep={ep}",
             f"train.micro_batch=1",
             f"train.global_batch={len(tokens) * world // (tp * pp)}",
             f"model.seq_length={tokens.shape[1]}",
         ]
     )
-    parallel_state.initialize_model_parallel(tp, pp, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None)
+    parallel_state.initialize_model_parallel(
+        tp, pp, virtual_pipeline_model_parallel_size=vpp if vpp > 1 else None, expert_model_parallel_size=ep
+    )
     model_parallel_cuda_manual_seed(cfg.train.seed)
     layout = resolve(cfg)
     chunks = build_model_chunks(megatron_sections(cfg, layout))

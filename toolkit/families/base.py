@@ -81,9 +81,10 @@ class Family:
         tied = key == "embedding.word_embeddings.weight" or m.tie_embeddings
         return self.embedding_name if tied else "lm_head.weight"
 
-    def megatron_tensor(self, key: str, layer: int | None, hf, m: ModelConfig):
-        """The global megatron-core tensor of checkpoint key `key` (of decoder layer `layer`) from
-        the Hugging Face tensors (`hf.get(name)`), or None where the family has no counterpart."""
+    def megatron_tensor(self, key: str, layer: int | None, hf, m: ModelConfig, expert: int | None = None):
+        """The global megatron-core tensor of checkpoint key `key` (of decoder layer `layer`, and of
+        its expert `expert` for an MoE layer's experts) from the Hugging Face tensors
+        (`hf.get(name)`), or None where the family has no counterpart."""
         raise NotImplementedError
 
     # --- DeepSpeed's pipeline

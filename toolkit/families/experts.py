@@ -47,3 +47,46 @@ class ExpertNames:
     down: str
     shared: str | None = None  # the shared experts' prefix (gate_proj, up_proj, down_proj under it)
     shared_gate: str | None = None  # their sigmoid gate's weight, [1, hidden]
+
+
+# transformers' in-memory names of an MoE layer (its modules after from_pretrained: the experts fused
+# into [experts, 2 x ffn, hidden] gate-and-up and [experts, hidden, ffn] down tensors,
+# integrations/moe.py and conversion_mapping.py), the same for Mixtral and the Qwen MoE families
+ROUTER, GATE_UP, DOWN = "mlp.gate.weight", "mlp.experts.gate_up_proj", "mlp.experts.down_proj"
+
+
+def experts_to_hf(src: dict, prefix: str) -> dict:
+    """One MoE layer's megatron tensors (router.weight; local_experts.{e}.linear_fc1 = [gate; up]
+    and linear_fc2, all experts of a tp=1 model) -> transformers' fused in-memory tensors; each
+    tensor used is popped from `src`."""
+    import torch
+
+    if "mlp.router.weight" not in src:
+        return {}
+    experts = sorted(
+        {int(k.split(".")[3]) for k in src if k.startswith("mlp.experts.local_experts.")},
+    )
+    fc1 = [src.pop(f"mlp.experts.local_experts.{e}.linear_fc1.weight") for e in experts]
+    fc2 = [src.pop(f"mlp.experts.local_experts.{e}.linear_fc2.weight") for e in experts]
+    return {
+        prefix + ROUTER: src.pop("mlp.router.weight"),
+        prefix + GATE_UP: torch.stack(fc1),
+        prefix + DOWN: torch.stack(fc2),
+    }
+
+
+def expert_tensor(names: ExpertNames, key: str, prefix: str, expert: int | None, hf):
+    """The global megatron tensor of an MoE layer's checkpoint key from the tensors on disk: the
+    router, or expert `expert`'s fc1 ([gate; up]) or fc2; None for another key."""
+    import torch
+
+    if key == "decoder.layers.mlp.router.weight":
+        return hf.get(prefix + names.router)
+    if expert is None or ".mlp.experts." not in key:
+        return None
+    base = prefix + names.expert.format(e=expert)
+    if key.endswith("linear_fc1.weight"):
+        return torch.cat([hf.get(f"{base}{names.gate}.weight"), hf.get(f"{base}{names.up}.weight")])
+    if key.endswith("linear_fc2.weight"):
+        return hf.get(f"{base}{names.down}.weight")
+    return None

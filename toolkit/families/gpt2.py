@@ -97,7 +97,7 @@ class Gpt2(Family):
             out[f"{dst}{theirs}bias"] = src.pop(f"{ours}bias")
         return out
 
-    def megatron_tensor(self, key: str, layer: int | None, hf, m: ModelConfig):
+    def megatron_tensor(self, key: str, layer: int | None, hf, m: ModelConfig, expert: int | None = None):
         p = self.layer_prefix(layer) if layer is not None else ""
         kind = key.rsplit(".", 1)[-1]
         norm = "weight" if kind.endswith("weight") else "bias"  # layer_norm_weight / layer_norm_bias

@@ -22,6 +22,8 @@ make_vocab_size_divisible_by * tp) are zero.
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from toolkit.config.schema import ModelConfig
@@ -93,10 +95,13 @@ def _vocab_part(sh, hf: HfTensors, m: ModelConfig) -> torch.Tensor:
     return hf.get(name, rows=(start, stop), dtype=sh.data.dtype)
 
 
-def megatron_tensor(key: str, layer: int | None, hf: HfTensors, m: ModelConfig) -> torch.Tensor:
-    """The global megatron-core tensor of checkpoint key `key` (of decoder layer `layer`) built
-    from the Hugging Face tensors (the embedding and output layer: _vocab_part)."""
-    t = family_of(m.family).megatron_tensor(key, layer, hf, m)
+def megatron_tensor(
+    key: str, layer: int | None, hf: HfTensors, m: ModelConfig, expert: int | None = None
+) -> torch.Tensor:
+    """The global megatron-core tensor of checkpoint key `key` (of decoder layer `layer`, and
+    `expert` of an MoE layer) built from the Hugging Face tensors (the embedding and output
+    layer: _vocab_part)."""
+    t = family_of(m.family).megatron_tensor(key, layer, hf, m, expert)
     if t is None:
         raise HfConfigError(
             f"model.hf_path={hf.path}: megatron-core tensor {key!r} has no Hugging Face counterpart for "
@@ -123,6 +128,20 @@ def _local_slice(sh, global_tensor: torch.Tensor) -> torch.Tensor:
 
 
 _VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
+_LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
+
+
+def _coordinates(sh) -> tuple[str, int | None, int | None]:
+    """(layer-free key, layer, expert) of a ShardedTensor. Layers are stacked along a prepended
+    axis (`decoder.layers.X`), or named one by one when their kinds differ (`decoder.layers.3.X`:
+    a model of dense and MoE layers, megatron-core's moe_layer_freq as a list); an MoE layer's
+    experts are one more prepended axis (SequentialMLP's global expert index)."""
+    offsets = list(sh.global_offset[: sh.prepend_axis_num])
+    named = _LAYER_KEY.match(sh.key)
+    key, layer = (f"decoder.layers.{named.group(2)}", int(named.group(1))) if named else (sh.key, None)
+    if layer is None and offsets and sh.key.startswith("decoder.layers."):
+        layer = offsets.pop(0)
+    return key, layer, (offsets[0] if offsets else None)
 
 
 @torch.no_grad()
@@ -143,10 +162,10 @@ def load_hf_into_chunks(chunks: list, path: str, m: ModelConfig) -> None:
             return value
         if value.key in _VOCAB_KEYS:
             return _vocab_part(value, hf, m)
-        layer = value.global_offset[0] if value.prepend_axis_num else None
-        if last.get("id") != (value.key, layer):
+        key, layer, expert = _coordinates(value)
+        if last.get("id") != (key, layer, expert):
             last.clear()  # drop the previous one first: at most one global tensor alive
-            last.update(id=(value.key, layer), tensor=megatron_tensor(value.key, layer, hf, m))
+            last.update(id=(key, layer, expert), tensor=megatron_tensor(key, layer, hf, m, expert))
         return _local_slice(value, last["tensor"])
 
     for chunk in chunks:

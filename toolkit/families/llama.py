@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from toolkit.config.schema import ModelConfig
 from toolkit.families.base import Family, PipelineParts
+from toolkit.families.experts import expert_tensor, experts_to_hf
 from toolkit.families.qkv import interleave_qkv, split_qkv
 from toolkit.formats.hf_arch import rope_fields, unsupported
 
@@ -26,6 +27,13 @@ def rope_parameters(m: ModelConfig) -> dict:
             original_max_position_embeddings=rs.original_max_position_embeddings,
         )
     return params
+
+
+# megatron-core's QK layernorm (local spec names) -> transformers' (Qwen3)
+_QK_NORMS = {
+    "self_attention.q_layernorm.weight": "self_attn.q_norm.weight",
+    "self_attention.k_layernorm.weight": "self_attn.k_norm.weight",
+}
 
 
 class LlamaLike(Family):
@@ -95,6 +103,10 @@ class LlamaLike(Family):
         dst = self.layer_prefix(i)
         out = {dst + "input_layernorm.weight": src.pop("input_layernorm.weight")}
         out[dst + "post_attention_layernorm.weight"] = src.pop("pre_mlp_layernorm.weight")
+        for ours, theirs in _QK_NORMS.items():  # Qwen3: a norm over each head's queries and keys
+            if ours in src:
+                out[dst + theirs] = src.pop(ours)
+        out.update(experts_to_hf(src, dst))
         for kind in ("weight", "bias"):  # biases: qwen2 (q, k, v only) or add_bias_linear
             if f"self_attention.linear_qkv.{kind}" in src:
                 q, k, v = split_qkv(src.pop(f"self_attention.linear_qkv.{kind}"), m)
@@ -109,7 +121,7 @@ class LlamaLike(Family):
                 out[f"{dst}mlp.down_proj.{kind}"] = src.pop(f"mlp.linear_fc2.{kind}")
         return out
 
-    def megatron_tensor(self, key: str, layer: int | None, hf, m: ModelConfig):
+    def megatron_tensor(self, key: str, layer: int | None, hf, m: ModelConfig, expert: int | None = None):
         import torch
 
         p = self.layer_prefix(layer) if layer is not None else ""
@@ -123,8 +135,11 @@ class LlamaLike(Family):
             "decoder.layers.mlp.linear_fc2.weight": p + "mlp.down_proj.weight",
             "decoder.layers.mlp.linear_fc2.bias": p + "mlp.down_proj.bias",
         }
+        simple.update({f"decoder.layers.{ours}": p + theirs for ours, theirs in _QK_NORMS.items()})
         if key in simple:
             return hf.get(simple[key])
+        if self.experts is not None and (found := expert_tensor(self.experts, key, p, expert, hf)) is not None:
+            return found
         if key.startswith("decoder.layers.self_attention.linear_qkv."):
             q, k, v = (hf.get(f"{p}self_attn.{x}_proj.{kind}") for x in "qkv")
             return interleave_qkv(q, k, v, m)
