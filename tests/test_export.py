@@ -222,8 +222,17 @@ def test_a_minority_dtype_joins_the_models_only_when_exact():
 @pytest.mark.slow
 @pytest.mark.parametrize(
     "model, dtype",
-    [(["model=tiny"], torch.bfloat16), (GPT2_TINY, torch.float32)],  # (Llama fp32 also passes by hand)
-    ids=["llama_bf16", "gpt2_tied"],
+    [
+        (["model=tiny"], torch.bfloat16),  # (Llama fp32 also passes by hand)
+        (GPT2_TINY, torch.float32),
+        (["model=tiny_moe"], torch.float32),  # Mixtral: 4 experts a layer
+        # Qwen3-MoE: QK norms, and layer 1 dense among the MoE layers
+        (
+            ["model=tiny_moe", "model.family=qwen3_moe", "model.qk_layernorm=true", "model.moe.dense_layers=[1]"],
+            torch.bfloat16,
+        ),
+    ],
+    ids=["llama_bf16", "gpt2_tied", "mixtral", "qwen3_moe_bf16"],
 )
 def test_hf_to_megatron_to_hf_is_bit_for_bit(tmp_path, compose, model, dtype):
     """The import (`parakit convert hf-to-megatron`) then the export give back the very files'

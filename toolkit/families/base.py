@@ -53,6 +53,15 @@ class Family:
         """The transformers PretrainedConfig of the same architecture (unpadded vocabulary)."""
         raise NotImplementedError
 
+    def names_on_disk(self, names: set[str], m: ModelConfig) -> set[str]:
+        """The tensor names a checkpoint of this family holds for a transformers model whose
+        state dict has `names` (they differ where transformers fuses what the files keep apart)."""
+        if self.experts is None:
+            return names
+        from toolkit.families.experts import names_on_disk
+
+        return names_on_disk(names, self.experts, m.moe.num_experts)
+
     # --- weights: megatron-core -> Hugging Face
     def layer_prefix(self, i: int) -> str:
         return f"{self.layers_prefix}.{i}."

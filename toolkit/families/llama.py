@@ -103,10 +103,10 @@ class LlamaLike(Family):
         dst = self.layer_prefix(i)
         out = {dst + "input_layernorm.weight": src.pop("input_layernorm.weight")}
         out[dst + "post_attention_layernorm.weight"] = src.pop("pre_mlp_layernorm.weight")
-        for ours, theirs in _QK_NORMS.items():  # Qwen3: a norm over each head's queries and keys
-            if ours in src:
-                out[dst + theirs] = src.pop(ours)
-        out.update(experts_to_hf(src, dst))
+        for ours, theirs in _QK_NORMS.items() if self.qk_layernorm else ():  # Qwen3: per-head q and k norms
+            out[dst + theirs] = src.pop(ours)
+        if self.experts is not None:
+            out.update(experts_to_hf(src, dst, self.experts))
         for kind in ("weight", "bias"):  # biases: qwen2 (q, k, v only) or add_bias_linear
             if f"self_attention.linear_qkv.{kind}" in src:
                 q, k, v = split_qkv(src.pop(f"self_attention.linear_qkv.{kind}"), m)
@@ -135,7 +135,8 @@ class LlamaLike(Family):
             "decoder.layers.mlp.linear_fc2.weight": p + "mlp.down_proj.weight",
             "decoder.layers.mlp.linear_fc2.bias": p + "mlp.down_proj.bias",
         }
-        simple.update({f"decoder.layers.{ours}": p + theirs for ours, theirs in _QK_NORMS.items()})
+        if self.qk_layernorm:
+            simple.update({f"decoder.layers.{ours}": p + theirs for ours, theirs in _QK_NORMS.items()})
         if key in simple:
             return hf.get(simple[key])
         if self.experts is not None and (found := expert_tensor(self.experts, key, p, expert, hf)) is not None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from toolkit.config.schema import ModelConfig
 from toolkit.families import family_of
+from toolkit.families.experts import fused_in_memory
 
 # Checkpoint names of the norms (TE's fused layer-norm linears) -> the local spec's module names.
 _CHECKPOINT_NAMES = {
@@ -53,4 +54,7 @@ def megatron_to_hf(state: dict, m: ModelConfig) -> dict:
             out.update(megatron_outer_to_hf(name, tensor, m))
     if "lm_head.weight" not in out:
         out["lm_head.weight"] = state["embedding.word_embeddings.weight"][: m.vocab_size]
+    family = family_of(m.family)
+    if family.experts is not None:  # the model's fused experts, not the per-expert files' names
+        out = fused_in_memory(out, family.experts, [family.layer_prefix(i) for i in range(m.num_layers)])
     return out

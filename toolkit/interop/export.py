@@ -199,6 +199,7 @@ def export(checkpoint: Checkpoint, output: Path, tokenizer=None, max_shard_bytes
     from transformers import GenerationConfig
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+    from toolkit.families import family_of
     from toolkit.families.hf_config import hf_config
     from toolkit.interop.hf_dir import ShardWriter, staged_directory
 
@@ -206,7 +207,7 @@ def export(checkpoint: Checkpoint, output: Path, tokenizer=None, max_shard_bytes
     config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__]
     if tokenizer is not None:
         config.bos_token_id, config.eos_token_id = tokenizer.bos_token_id, tokenizer.eos_token_id
-    expected = _model_names(config)
+    expected = family_of(checkpoint.cfg.model.family).names_on_disk(_model_names(config), checkpoint.cfg.model)
     written: set[str] = set()
     dtypes: Counter = Counter()
     parameters = 0

@@ -37,6 +37,25 @@ Tensors = Iterator[tuple[str, torch.Tensor]]
 _LAYERS = "decoder.layers."
 
 
+# Layers stored one by one (where dense and MoE layers mix, megatron-core names each:
+# decoder.layers.3.mlp.router.weight) instead of stacked on a leading axis
+_NAMED = re.compile(r"^decoder\.layers\.\d+\.")
+
+
+def _layer_tensors(named: dict) -> dict:
+    """One layer's stored tensors -> the local spec's names: an MoE layer's experts are one tensor
+    with the global expert index first (mlp.experts.experts.linear_fc1.weight), the local spec's
+    SequentialMLP holds mlp.experts.local_experts.{e}.linear_fc1.weight."""
+    out = {}
+    for key, tensor in named.items():
+        if key.startswith("mlp.experts.experts."):
+            for e, part in enumerate(tensor):
+                out[f"mlp.experts.local_experts.{e}.{key[len('mlp.experts.experts.') :]}"] = part
+        else:
+            out[key] = tensor
+    return out
+
+
 def _slice_planner(offsets: dict):
     """torch.distributed.checkpoint's default load planner, asked for part of each tensor: the
     destination of `key` is the block of its shape at `offsets[key]` of the stored tensor."""
@@ -77,7 +96,7 @@ def megatron_tensors(directory: Path, m: ModelConfig) -> Tensors:
         for key, meta in reader.read_metadata().state_dict_metadata.items()
         if isinstance(meta, TensorStorageMetadata) and not key.startswith("optimizer.")
     }
-    stacked = {key: meta for key, meta in stored.items() if key.startswith(_LAYERS)}
+    stacked = {key: meta for key, meta in stored.items() if key.startswith(_LAYERS) and not _NAMED.match(key)}
     wrong = {key: tuple(meta.size) for key, meta in stacked.items() if meta.size[0] != m.num_layers}
     if wrong:
         raise ValueError(f"{directory} holds layer tensors of another depth than num_layers={m.num_layers}: {wrong}")
@@ -102,7 +121,7 @@ def _in_one_dtype(tensors: Tensors, dtype: torch.dtype) -> Tensors:
 def _megatron_tensors(reader, stored: dict, m: ModelConfig) -> Tensors:
     import torch.distributed.checkpoint as dcp
 
-    stacked = {key: meta for key, meta in stored.items() if key.startswith(_LAYERS)}
+    stacked = {key: meta for key, meta in stored.items() if key.startswith(_LAYERS) and not _NAMED.match(key)}
 
     def load(templates: dict, offsets: dict) -> dict:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
@@ -121,8 +140,15 @@ def _megatron_tensors(reader, stored: dict, m: ModelConfig) -> Tensors:
     for i in range(m.num_layers):
         layer = {key: torch.empty((1, *meta.size[1:]), dtype=meta.properties.dtype) for key, meta in stacked.items()}
         load(layer, {key: (i,) + (0,) * (len(meta.size) - 1) for key, meta in stacked.items()})
-        yield from megatron_layer_to_hf({k[len(_LAYERS) :]: v[0] for k, v in layer.items()}, i, m).items()
-        del layer
+        tensors = {k[len(_LAYERS) :]: v[0] for k, v in layer.items()}
+        named = {key: meta for key, meta in stored.items() if key.startswith(f"{_LAYERS}{i}.")}
+        whole = load(
+            {key: torch.empty(meta.size, dtype=meta.properties.dtype) for key, meta in named.items()},
+            {key: (0,) * len(meta.size) for key, meta in named.items()},
+        )
+        tensors.update(_layer_tensors({k[len(f"{_LAYERS}{i}.") :]: v for k, v in whole.items()}))
+        yield from megatron_layer_to_hf(tensors, i, m).items()
+        del layer, whole
     yield from outer(k for k in stored if not k.startswith(("embedding.", _LAYERS)))
 
 
