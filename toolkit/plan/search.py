@@ -19,11 +19,12 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from toolkit.config.schema import Config, is_moe
+from toolkit.config.schema import Config, is_moe, moe_layer_pattern
 from toolkit.plan.backends import backend_of
 from toolkit.plan.layout import Layout, resolve, stage_layer_counts, world_size
 from toolkit.plan.memory import GIB, MemoryEstimate, peak_memory
 from toolkit.plan.parallel_dims import DIMS, ParallelDims
+from toolkit.plan.params import model_params, moe_layer_params
 from toolkit.plan.perf import StepEstimate, estimate_step
 from toolkit.plan.validate import validate
 
@@ -66,6 +67,7 @@ class Candidate:
             "memory_breakdown_gib": self.memory.as_gib(),
             "bubble": self.step.bubble / self.step.step_time,
             "comm_share": self.step.comm_share,
+            "all_to_all_share": self.step.all_to_all_share,
             "step_time_s": self.step.step_time,
             "tokens_per_s": self.step.tokens_per_s,
             "tflops_per_gpu": self.step.tflops_per_gpu,
@@ -104,6 +106,12 @@ class Candidate:
             )
         if lay.cp > 1:
             parts.append(f"cp={lay.cp} for {lay.seq_length}-token sequences")
+        if lay.dims.ep > 1:
+            whole = " (each expert whole)" if lay.dims.etp == 1 < lay.tp else ""
+            parts.append(
+                f"ep={lay.dims.ep}: {_experts(c.model.moe.num_experts // lay.dims.ep)} per rank{whole}, "
+                f"all-to-all {step.all_to_all_share:.0%}"
+            )
         if not parts:
             parts.append("pure data parallel")
         saving = [
@@ -281,7 +289,7 @@ def decision_path(cfg: Config, result: SearchResult) -> list[str]:
     parallel inside it; else pipeline stages across nodes), and where the top layout departs from it."""
     gpn, world = cfg.cluster.gpus_per_node, world_size(cfg)
     fitting = result.ranked
-    dp_only = [c for c in fitting if c.layout.tp == c.layout.pp == c.layout.cp == 1]
+    dp_only = [c for c in fitting if c.layout.tp == c.layout.pp == c.layout.cp == c.layout.dims.ep == 1]
     in_node = [c for c in fitting if c.layout.pp == 1 and c.layout.cp == 1 and c.layout.tp <= gpn]
     lines = []
     if dp_only:
@@ -320,7 +328,35 @@ def decision_path(cfg: Config, result: SearchResult) -> list[str]:
             f"the top layout departs from it ({_shape(top)} instead of {_shape(simple)}): {gain:+.0%} throughput"
             + (f", because the path's layout {' and '.join(why)}" if why else "")
         )
+    if is_moe(cfg.model):
+        lines.append(_experts_line(cfg, fitting))
     return lines
+
+
+def _experts_line(cfg: Config, fitting: list[Candidate]) -> str:
+    """Whether expert parallel is the answer for a mixture of experts: the top layout against the
+    best without it (the experts' weights otherwise replicate on every data-parallel rank)."""
+    top = fitting[0]
+    without = next((c for c in fitting if c.layout.dims.ep == 1), None)
+    share = f"{params_share(cfg):.0%} of the weights are experts"
+    if top.layout.dims.ep == 1:
+        spread = next((c for c in fitting if c.layout.dims.ep > 1), None)
+        slower = 1 - spread.step.tokens_per_s / top.step.tokens_per_s if spread else 0.0
+        cost = f"; the best with it ({_shape(spread)}) is {slower:.0%} slower" if spread else ""
+        return f"mixture of experts ({share}): expert parallel does not pay here{cost}"
+    ep = top.layout.dims.ep
+    per_rank = _experts(cfg.model.moe.num_experts // ep)
+    head = f"mixture of experts ({share}) -> expert parallel: ep={ep} spreads them, {per_rank} per rank"
+    if without is None:
+        return head + "; no layout without it fits"
+    gain = top.step.tokens_per_s / without.step.tokens_per_s - 1
+    return head + f"; {gain:+.0%} throughput over the best layout without it ({_shape(without)})"
+
+
+def params_share(cfg: Config) -> float:
+    """The share of the model's parameters that are routed experts."""
+    experts = sum(moe_layer_pattern(cfg.model)) * moe_layer_params(cfg.model, etp=1)[1]
+    return experts / model_params(cfg.model)
 
 
 def _shape(c: Candidate) -> str:
@@ -330,3 +366,7 @@ def _shape(c: Candidate) -> str:
 def _savings(c: Candidate) -> str:
     parts = [f"zero={c.cfg.zero.stage}", f"recompute={c.cfg.recompute.granularity}"]
     return ", ".join(parts)
+
+
+def _experts(count: int) -> str:
+    return f"{count} expert{'s' * (count != 1)}"
