@@ -52,7 +52,10 @@ class Report:
         """One line naming the packages the machines that train need, or "" when none."""
         if not self.packages:
             return ""
-        listing = "; ".join(f"{p.install} ({p.field}={p.value}: {p.why})" for p in self.packages)
+        reasons: dict[str, list[str]] = {}  # one entry per package, with every option that needs it
+        for p in self.packages:
+            reasons.setdefault(p.install, []).append(f"{p.field}={p.value}: {p.why}")
+        listing = "; ".join(f"{install} ({'; '.join(why)})" for install, why in reasons.items())
         return f"needs on the machines that train: {listing}"
 
     def __str__(self) -> str:
