@@ -127,7 +127,10 @@ def plausible_overrides(draw):
     m, c = MODEL[name], CLUSTER[cluster]
     cuda = c.device == "cuda"
     # megatron-core's sliding-window attention runs through Transformer Engine (CUDA only).
-    backend = draw(st.sampled_from(BACKENDS if cuda or not m.sliding_window else ["deepspeed"]))
+    moe = m.moe.num_experts is not None  # mixtures of experts train on megatron only
+    backend = draw(
+        st.sampled_from(["megatron"] if moe else BACKENDS if cuda or not m.sliding_window else ["deepspeed"])
+    )
     megatron = backend == "megatron"
     # Whether the layout fits in memory is the planner's question, not the upstream libraries':
     # the memory rule is tested in tests/test_fit.py.
@@ -154,7 +157,8 @@ def plausible_overrides(draw):
         else [1]
     )
     tp = draw(st.sampled_from(tps))
-    sequence_parallel = megatron and cuda and tp > 1 and draw(st.booleans())
+    # MoE layers with tensor parallel need sequence parallel (megatron-core's MoELayer)
+    sequence_parallel = megatron and tp > 1 and (moe or (cuda and draw(st.booleans())))
     cp = draw(st.sampled_from([d for d in (1, 2, 4) if (world // tp) % d == 0])) if megatron and cuda else 1
 
     # Pipeline: pp*vpp equal chunks of the layers, or (megatron) an uneven first/last stage.
@@ -183,6 +187,10 @@ def plausible_overrides(draw):
         f"parallel.cp={cp}",
         f"parallel.sequence_parallel={str(sequence_parallel).lower()}",
     ]
+    if moe:  # the experts over ep of a stage's ranks (etp follows tp: ep divides cp x dp)
+        out.append(
+            f"parallel.ep={draw(st.sampled_from([e for e in _divisors(m.moe.num_experts) if (cp * dp) % e == 0]))}"
+        )
     if first is not None:
         out.append(f"parallel.first_stage_layers={first}")
     if last is not None:
@@ -234,7 +242,9 @@ def plausible_overrides(draw):
         ["bf16"] * (c.peak_tflops_bf16 > 0)
         + ["fp32"]
         + ["fp16"] * (c.peak_tflops_fp16 > 0 and cuda)
-        + ["fp8"] * (c.peak_tflops_fp8 > 0 and megatron)
+        # MoE fp8: TransformerConfig checks Transformer Engine's version when built, and this
+        # machine has none (the validator leaves TE to the machine that trains: its package rule)
+        + ["fp8"] * (c.peak_tflops_fp8 > 0 and megatron and not moe)
     )
     precision = draw(st.sampled_from(precisions))
     out += [f"zero={zero}", f"precision={precision}"]
