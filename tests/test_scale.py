@@ -84,6 +84,19 @@ def test_each_size_of_a_curve_has_the_shape_and_batch_its_mode_keeps(base, dim, 
     check_curve(base(*overrides), dim, mode, start, sizes(start, end))
 
 
+@pytest.mark.parametrize("mode", scale.MODES)
+def test_an_expert_parallel_curve_spreads_the_experts_over_the_added_replicas(base, mode):
+    """--dim ep: each doubling of the ranks adds data-parallel replicas of the attention and
+    spreads the experts over them (ep grows with dp; 4 experts: up to ep=4)."""
+    cfg = base("model=tiny_moe")
+    for ranks in (1, 2, 4):
+        sized = scale.with_overrides(cfg, scale.point_overrides(cfg, "ep", mode, 1, ranks))
+        assert validate(sized).ok, [str(e) for e in validate(sized).errors]
+        lay = resolve(sized)
+        assert (lay.dp, lay.dims.ep, lay.world_size) == (ranks, ranks, ranks)
+        assert lay.global_batch == 16 * (ranks if mode == "weak" else 1)
+
+
 def test_an_explicit_grad_accum_is_derived_again_at_each_size(base):
     """train.grad_accum=16 is right at 1 rank; strong scaling of dp must divide it by the ranks (a
     fixed one makes every size after the first invalid)."""

@@ -452,7 +452,9 @@ COMMANDS = {
             "and say where a doubling gains under the threshold",
             _scale,
             options=(
-                Option(("--dim",), dict(choices=("dp", "tp", "pp"), default="dp", help="the dimension to double")),
+                Option(
+                    ("--dim",), dict(choices=("dp", "tp", "pp", "ep"), default="dp", help="the dimension to double")
+                ),
                 Option(("--mode",), dict(choices=("weak", "strong"), default="weak", help="default: weak")),
                 Option(("--ranks",), dict(default="1..4", metavar="START..END", help="powers of two (default 1..4)")),
                 Option(("--threshold",), dict(type=float, default=1.6, metavar="X", help="gain per 2x (default 1.6)")),

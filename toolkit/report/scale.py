@@ -18,7 +18,9 @@ from toolkit.plan.doublings import doublings, first_below, verdict
 from toolkit.plan.scaling import node_shape, sizes
 from toolkit.report.sweep import SweepOptions, describe_sweep, point_dir, progress_line, read_rows, run_point
 
-DIMENSIONS = ("dp", "tp", "pp")
+# ep: the added ranks are data-parallel replicas of the attention that the experts spread over
+# (expert parallel folds into them: megatron-core's etp x ep x edp = tp x cp x dp)
+DIMENSIONS = ("dp", "tp", "pp", "ep")
 MODES = ("weak", "strong")
 
 
@@ -52,8 +54,10 @@ def point_overrides(cfg: Config, dim: str, mode: str, start: int, ranks: int) ->
         out += [f"parallel.{dim}={getattr(p, dim) * factor}", f"parallel.dp={start // split}"]
     else:
         out.append("parallel.dp=null")
+    if dim == "ep":
+        out.append(f"parallel.ep={p.ep * factor}")
     # weak: the batch per data-parallel rank stays, so the global batch grows with dp
-    batch = cfg.train.global_batch * (factor if dim == "dp" and mode == "weak" else 1)
+    batch = cfg.train.global_batch * (factor if dim in ("dp", "ep") and mode == "weak" else 1)
     out.append(f"train.global_batch={batch}")
     if cfg.train.grad_accum is not None:  # derived at every size (strong scaling of dp divides it)
         out.append("train.grad_accum=null")
