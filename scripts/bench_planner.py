@@ -163,7 +163,7 @@ def predict(run: dict) -> dict:
     return {
         "id": run["id"],
         "gpus": gpus,
-        "layout": f"tp{layout.tp} pp{layout.pp} vpp{layout.vpp} cp{layout.cp} dp{layout.dp}",
+        "layout": layout.dims.label().replace("=", ""),  # tp4 pp8 vpp8 cp2 dp8 (ep8 where experts split)
         # error > 0: the planner predicts more throughput (a shorter step) than was measured
         "metric": metric,
         "published": value,
