@@ -23,6 +23,7 @@ LAYOUTS = {
     "mistral_7b": [(1, 1, 1), (8, 4, 2)],
     "tiny_moe": [(1, 1, 1), (2, 2, 1)],
     "mixtral_8x7b": [(1, 1, 1), (8, 4, 2)],
+    "qwen3_235b_a22b": [(1, 1, 1), (4, 2, 1)],  # 94 layers
 }
 CASES = [(model, *layout, None, None)[:6] for model, layouts in LAYOUTS.items() for layout in layouts]
 
@@ -79,6 +80,8 @@ def test_active_params_count_the_routed_experts(compose):
     """Mixtral 8x7B: 46.7B parameters, 12.9B active per token (Jiang et al. 2024, section 2)."""
     m = compose("model=mixtral_8x7b").model
     assert round(model_params(m) / 1e9, 1) == 46.7 and round(model_params(m, active=True) / 1e9, 1) == 12.9
+    qwen3 = compose("model=qwen3_235b_a22b").model  # Qwen3 Technical Report, Table 2: 235B, 22B activated
+    assert round(model_params(qwen3) / 1e9) == 235 and round(model_params(qwen3, active=True) / 1e9) == 22
     dense = compose("model=mistral_7b").model
     assert model_params(dense, active=True) == model_params(dense)
 
