@@ -775,3 +775,20 @@ def test_the_plot_checks_catch_an_empty_figure_or_a_dropped_series(
     }[plot]
     with pytest.raises(AssertionError):
         check(drawn_plot.figure)
+
+
+def test_a_sweep_point_records_and_the_page_shows_the_predicted_all_to_all_share(compose):
+    """An expert-parallel point carries the share of its predicted step the MoE layers' all-to-all
+    takes (sweep.csv, the report table); a dense point's is 0 and its cell empty."""
+    from toolkit.plan.layout import resolve
+    from toolkit.report.load import Point
+    from toolkit.report.page import table
+    from toolkit.report.sweep import _predicted
+
+    moe = compose("model=tiny_moe", "cluster=8xh100", "parallel.ep=8")
+    dense = compose("cluster=8xh100")
+    share = _predicted(moe, resolve(moe))["predicted_all_to_all_share"]
+    assert 0 < share < 1 and _predicted(dense, resolve(dense))["predicted_all_to_all_share"] == 0
+    cell = dict(table())["predicted all-to-all"]
+    assert cell(Point({"predicted_all_to_all_share": share}, "P1")) == f"{share:.0%}"
+    assert cell(Point({"predicted_all_to_all_share": 0.0}, "P2")) == ""

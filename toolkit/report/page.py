@@ -58,6 +58,10 @@ def table() -> tuple[tuple[str, Callable[[Point], str]], ...]:
         ("step time error", lambda p: _error_pct(p, "step_time_s")),
         ("tokens/s", _field("tokens_per_s")),
         ("predicted tokens/s", _field("predicted_tokens_per_s")),
+        (
+            "predicted all-to-all",
+            lambda p: f"{p.row['predicted_all_to_all_share']:.0%}" if p.row.get("predicted_all_to_all_share") else "",
+        ),
         ("TFLOP/s per rank", _field("tflops_per_gpu")),
         ("MFU", lambda p: f"{p.row['mfu']:.1%}" if p.row.get("mfu") else ""),
         ("memory GiB", _field("memory_gib")),

@@ -54,6 +54,7 @@ _AFTER_DIMS = (
     "predicted_step_time_s",
     "predicted_tokens_per_s",
     "predicted_memory_gib",
+    "predicted_all_to_all_share",
     "seconds",
     "run_dir",
     "error",
@@ -122,6 +123,8 @@ def _predicted(cfg: Config, layout: Layout) -> dict:
         "predicted_tokens_per_s": step.tokens_per_s,
         # compared with what tensors held at the peak (the allocator's or the profiler's figure)
         "predicted_memory_gib": peak_memory(cfg, layout).tensors / GIB,
+        # the MoE layers' token all-to-all, of the predicted step (0 for a dense model)
+        "predicted_all_to_all_share": step.all_to_all_share,
     }
 
 
