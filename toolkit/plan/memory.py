@@ -47,6 +47,12 @@ CUDA_RUNTIME_BYTES = 1.0 * GIB
 MOE_IMBALANCE = 1.25
 
 
+def routing_imbalance(m: ModelConfig) -> float:
+    """How far over the even share of routed tokens the busiest expert rank gets: the capacity
+    factor, which bounds it, or MOE_IMBALANCE for dropless routing."""
+    return m.moe.capacity_factor or MOE_IMBALANCE
+
+
 @dataclass(frozen=True)
 class ModelStates:
     weights: float
@@ -218,7 +224,7 @@ def stage_memory(cfg: Config, layout: Layout, stage: int, flash: bool | None = N
     layers_per_chunk = layout.stage_layers[stage] // layout.vpp
     chunks = inflight_chunks(layout.pp, layout.vpp, layout.num_microbatches, stage)
     activations = chunks * layers_per_chunk * per_layer
-    imbalance = m.moe.capacity_factor or MOE_IMBALANCE
+    imbalance = routing_imbalance(m)
     if params.moe_layers:  # those of the chunk's layers that are MoE layers keep more
         per_moe_layer = layer_activation_bytes(
             m, layout.micro_batch, seq, layout.tp, p.sequence_parallel, nbytes, flash, r.granularity, True, imbalance

@@ -35,9 +35,9 @@ class Dim:
     # (tensor parallel stays inside a node: its all-reduces every layer need NVLink), "world", or
     # None when a higher degree frees no weight memory (vpp, cp: cp splits only activations)
     fit_reach: str | None = None
-    # the degree when a configuration leaves it unset: a number, or the name of an earlier
-    # dimension whose degree it takes (etp follows tp, as megatron-core's expert_tensor_parallel_size)
-    default: int | str = 1
+    # an earlier dimension whose degree it takes when a configuration leaves it unset (etp follows
+    # tp, as megatron-core's expert_tensor_parallel_size); None: 1 when unset
+    follows: str | None = None
     # labels and short forms leave it out at its default (a dense layout's label stays tp..dp)
     quiet: bool = False
 
@@ -87,7 +87,7 @@ DIMS: list[Dim] = [
         "expert tensor parallel: each expert's matrices split over ranks",
         multiplies_world=False,
         megatron="expert_tensor_parallel_size",
-        default="tp",
+        follows="tp",
         quiet=True,
     ),
 ]
@@ -120,10 +120,9 @@ class ParallelDims:
         if unknown:
             raise TypeError(f"no parallel dimension {', '.join(unknown)} (the dimensions: {', '.join(names)})")
         resolved: dict[str, int] = {}
-        for dim in DIMS:  # None or absent: the default, a number or an earlier dimension's degree
+        for dim in DIMS:  # None or absent: 1, or the degree of the dimension it follows
             given = degrees.get(dim.name)
-            default = dim.default if isinstance(dim.default, int) else resolved[dim.default]
-            resolved[dim.name] = int(default if given is None else given)
+            resolved[dim.name] = int(resolved.get(dim.follows, 1) if given is None else given)
         object.__setattr__(self, "_degrees", tuple(resolved.items()))
 
     @classmethod
@@ -163,11 +162,15 @@ class ParallelDims:
 
     def at_default(self, dim: Dim) -> bool:
         """Whether `dim` has the degree a configuration that leaves it unset gets."""
-        default = dim.default if isinstance(dim.default, int) else getattr(self, dim.default)
-        return getattr(self, dim.name) == default
+        return getattr(self, dim.name) == (getattr(self, dim.follows) if dim.follows else 1)
+
+    def hidden(self, dim: Dim) -> bool:
+        """Whether labels, overrides and the count of splits leave `dim` out: a quiet dimension at its
+        default (ep=1, or etp following tp)."""
+        return dim.quiet and self.at_default(dim)
 
     def _shown(self) -> list[tuple[str, int]]:
-        return [(d.name, getattr(self, d.name)) for d in DIMS if not (d.quiet and self.at_default(d))]
+        return [(d.name, getattr(self, d.name)) for d in DIMS if not self.hidden(d)]
 
     @property
     def edp(self) -> int:
@@ -195,7 +198,7 @@ class ParallelDims:
     def model_splits(self) -> int:
         """How many ways the model is split (each dimension that does, above 1, counts once; one
         that follows another at its default, etp = tp, does not count again)."""
-        return sum(getattr(self, d.name) > 1 for d in DIMS if d.splits_model and not (d.quiet and self.at_default(d)))
+        return sum(getattr(self, d.name) > 1 for d in DIMS if d.splits_model and not self.hidden(d))
 
     def label(self) -> str:
         """`tp=2 pp=2 vpp=2 cp=1 dp=1`: every dimension (the quiet ones, ep and etp, where not at

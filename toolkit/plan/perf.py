@@ -57,7 +57,7 @@ from toolkit.plan.kernels import (
     unfused_attention,
 )
 from toolkit.plan.layout import Layout
-from toolkit.plan.memory import DTYPE_BYTES, MOE_IMBALANCE
+from toolkit.plan.memory import DTYPE_BYTES, routing_imbalance
 from toolkit.plan.params import all_stage_params
 
 # ZeRO-3 prefetches parameters one or two layers ahead: gathers hide under at most half of the
@@ -208,7 +208,7 @@ def _moe_gemms(cfg: Config, layout: Layout) -> list[tuple[float, float, float]]:
     router_topk x its tokens (times the imbalance) and the shared experts' (split by tp)."""
     m, d = cfg.model, layout.dims
     h, tokens, gated = m.hidden_size, layout.gpu_tokens, 2 if m.activation == "swiglu" else 1
-    routed = m.moe.router_topk * tokens * d.etp / d.tp * (m.moe.capacity_factor or MOE_IMBALANCE)
+    routed = m.moe.router_topk * tokens * d.etp / d.tp * routing_imbalance(m)
     ffn = expert_ffn_size(m) / d.etp
     gemms = [(tokens, m.moe.num_experts, h), (routed, gated * ffn, h), (routed, h, ffn)]
     if m.moe.shared_expert_size:
@@ -223,8 +223,7 @@ def _expert_comm(cfg: Config, layout: Layout, r: Rates) -> float:
     reduce-scatter of the received tokens over the etp ranks."""
     m, d, c = cfg.model, layout.dims, cfg.cluster
     passes = 4 + (2 if cfg.recompute.granularity == "full" else 0)
-    imbalance = m.moe.capacity_factor or MOE_IMBALANCE
-    sent = m.moe.router_topk * layout.gpu_tokens / d.tp * m.hidden_size * r.nbytes * imbalance
+    sent = m.moe.router_topk * layout.gpu_tokens / d.tp * m.hidden_size * r.nbytes * routing_imbalance(m)
     alltoall = all_to_all_time(cfg, sent, d.ep, d.stride("ep"))
     gather = ring_time(sent * d.etp, d.etp, link_gbs(cfg, d.etp, 1), 1.0, c.collective_latency_s)
     return passes * (alltoall + gather)
@@ -410,16 +409,13 @@ def estimate_step(cfg: Config, layout: Layout, backend: Backend | None = None) -
     busiest = max(stage_params, key=lambda s: s.total)
     zero = backend.effective_zero(cfg.zero.stage)
     pp_comm = pipeline_comm(cfg, layout, r, compute)
-    if busiest.experts:  # the experts reduce over their expert-dp ranks, the rest over dp x cp
-        edp = (d.edp, d.stride("edp"))
-        dp_comm = data_parallel_comm(cfg, layout, backend, busiest.dense, per_microbatch)
-        dp_comm += data_parallel_comm(cfg, layout, backend, busiest.experts, per_microbatch, edp)
-        shard = busiest.dense / (d.dp * d.cp) + busiest.experts / d.edp if zero >= 1 else busiest.total
-        optimizer = optimizer_time(cfg, shard, r)
-    else:
-        params = busiest.total
-        dp_comm = data_parallel_comm(cfg, layout, backend, params, per_microbatch)
-        optimizer = optimizer_time(cfg, params / (layout.dp * layout.cp if zero >= 1 else 1), r)
+    # the experts reduce over their expert-dp ranks (and shard their optimizer states there), the rest over dp x cp
+    dp_comm = data_parallel_comm(cfg, layout, backend, busiest.dense, per_microbatch)
+    if busiest.experts:
+        dp_comm += data_parallel_comm(cfg, layout, backend, busiest.experts, per_microbatch, (d.edp, d.stride("edp")))
+    experts_shard = busiest.experts / d.edp if busiest.experts else 0.0
+    shard = busiest.dense / (d.dp * d.cp) + experts_shard if zero >= 1 else busiest.total
+    optimizer = optimizer_time(cfg, shard, r)
 
     step = compute + pp_comm + dp_comm + optimizer + c.step_overhead_s + step_s * sharing
     flops = step_flops(m, layout.seq_length, layout.global_batch, cfg.recompute.granularity, layout.padded_vocab_size)

@@ -26,6 +26,7 @@ from toolkit.plan.memory import GIB, MemoryEstimate, peak_memory
 from toolkit.plan.parallel_dims import DIMS, ParallelDims
 from toolkit.plan.params import model_params, moe_layer_params
 from toolkit.plan.perf import StepEstimate, estimate_step
+from toolkit.plan.rules.base import divisors
 from toolkit.plan.validate import validate
 
 HEADROOM = 0.10  # keep 10% of device memory free for spikes the estimate does not see
@@ -174,11 +175,7 @@ def _ep_options(cfg: Config, chosen: dict) -> list[int]:
     if not is_moe(cfg.model):
         return [1]
     stage_ranks = world_size(cfg) // chosen["pp"]
-    return [
-        e
-        for e in range(1, cfg.model.moe.num_experts + 1)
-        if cfg.model.moe.num_experts % e == 0 and stage_ranks % e == 0
-    ]
+    return [e for e in divisors(cfg.model.moe.num_experts) if stage_ranks % e == 0]
 
 
 def _etp_options(cfg: Config, chosen: dict) -> list[int | None]:
@@ -208,9 +205,9 @@ def _degree_choices(cfg: Config, supported, names: list[str], chosen: dict):
         return
     name, rest = names[0], names[1:]
     options = DEGREE_OPTIONS.get(name) if name in supported else None
-    # without options, the default: a number, or None for one that follows another (etp = tp)
-    default = next(d.default for d in DIMS if d.name == name)
-    for degree in options(cfg, chosen) if options else [default if isinstance(default, int) else None]:
+    # without options, the default: 1, or left unset for one that follows another (etp = tp)
+    follows = next(d.follows for d in DIMS if d.name == name)
+    for degree in options(cfg, chosen) if options else [None if follows else 1]:
         yield from _degree_choices(cfg, supported, rest, {**chosen, name: degree})
 
 

@@ -8,7 +8,7 @@ import math
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
-from toolkit.config.schema import Config
+from toolkit.config.schema import Config, is_moe
 from toolkit.plan.backends import Backend, backend_of, supporting
 from toolkit.plan.rules.base import Violation, err, listing, others
 
@@ -70,7 +70,7 @@ def _set_rope(cfg: Config, be: Backend, can: str) -> str:
 
 
 def _moe(cfg: Config, be: Backend) -> dict:
-    return {"model.moe.num_experts": cfg.model.moe.num_experts} if cfg.model.moe.num_experts is not None else {}
+    return {"model.moe.num_experts": cfg.model.moe.num_experts} if is_moe(cfg.model) else {}
 
 
 # In the order they are reported. The fields of each violation are what `asks` returns, plus

@@ -184,7 +184,7 @@ def backend_dims(cfg: Config) -> Iterator[Violation]:
     in_use = {
         d.name: (f"parallel.{d.name}", getattr(dims, d.name))
         for d in DIMS
-        if d.splits_model and getattr(dims, d.name) > 1 and not (d.quiet and dims.at_default(d))
+        if d.splits_model and getattr(dims, d.name) > 1 and not dims.hidden(d)
     }
     for option, field in (("sp", "sequence_parallel"), ("tp_overlap", "tp_comm_overlap")):
         if getattr(p, field):
