@@ -39,8 +39,8 @@ def model_fields(path: str | os.PathLike | None) -> dict:
     except KeyError as e:
         raise HfConfigError(f"model.hf_path={path}: config.json has no {e.args[0]!r}; {HF_PATH_FIX}") from None
     positions = fields["max_position_embeddings"]
-    # a dense family's fields leave these out: the schema's defaults (no QK norm, no experts)
-    fields = {"qk_layernorm": False, **fields, "moe": {**plain(MoeConfig()), **fields.get("moe", {})}}
+    # the family's QK norm; model.moe's fields the config gives (none for a dense family) over the schema's defaults
+    fields = {**fields, "qk_layernorm": family.qk_layernorm, "moe": {**plain(MoeConfig()), **fields.get("moe", {})}}
     return {
         "name": Path(str(path)).expanduser().resolve().name,
         "family": family.name,

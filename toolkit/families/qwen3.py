@@ -19,12 +19,7 @@ class Qwen3(LlamaLike):
 
     def _variant(self, c: dict, attention_bias: bool, window, path) -> dict:
         window = window if c.get("use_sliding_window", False) else None
-        return {
-            "add_bias_linear": False,
-            "add_qkv_bias": attention_bias,
-            "sliding_window": window,
-            "qk_layernorm": True,
-        }
+        return {"add_bias_linear": False, "add_qkv_bias": attention_bias, "sliding_window": window}
 
     def _config(self, common: dict, m: ModelConfig):
         from transformers import Qwen3Config

@@ -334,10 +334,13 @@ class MegatronSteps:
         if step is None:
             tracker.clear()
             return {}
-        names = {"moe_z_loss": "z_loss"} if config.moe_z_loss_coeff else {}
-        if config.moe_router_load_balancing_type in ("aux_loss", "seq_aux_loss"):
-            balancing = "seq_load_balancing_loss" if config.moe_router_load_balancing_type == "seq_aux_loss" else ""
-            names = {"moe_aux_loss": balancing or "load_balancing_loss", **names}
+        # parakit's name -> the tracker's (router.py records the load-balancing loss by its type)
+        balancing = {"aux_loss": "load_balancing_loss", "seq_aux_loss": "seq_load_balancing_loss"}
+        names = {}
+        if recorded := balancing.get(config.moe_router_load_balancing_type):
+            names["moe_aux_loss"] = recorded
+        if config.moe_z_loss_coeff:
+            names["moe_z_loss"] = "z_loss"
         totals: dict = {}
         tracker.report(
             loss_scale=1 / self.layout.grad_accum,
