@@ -22,13 +22,12 @@ make_vocab_size_divisible_by * tp) are zero.
 
 from __future__ import annotations
 
-import re
-
 import torch
 
 from toolkit.config.schema import ModelConfig
 from toolkit.families import family_of
 from toolkit.families.hf_config import check_matches
+from toolkit.families.to_hf import NAMED_LAYER
 from toolkit.formats.hf_arch import HfConfigError
 from toolkit.formats.hf_files import weight_files
 
@@ -128,7 +127,6 @@ def _local_slice(sh, global_tensor: torch.Tensor) -> torch.Tensor:
 
 
 _VOCAB_KEYS = ("embedding.word_embeddings.weight", "output_layer.weight")
-_LAYER_KEY = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 
 
 def _coordinates(sh) -> tuple[str, int | None, int | None]:
@@ -137,7 +135,7 @@ def _coordinates(sh) -> tuple[str, int | None, int | None]:
     a model of dense and MoE layers, megatron-core's moe_layer_freq as a list); an MoE layer's
     experts are one more prepended axis (SequentialMLP's global expert index)."""
     offsets = list(sh.global_offset[: sh.prepend_axis_num])
-    named = _LAYER_KEY.match(sh.key)
+    named = NAMED_LAYER.match(sh.key)
     key, layer = (f"decoder.layers.{named.group(2)}", int(named.group(1))) if named else (sh.key, None)
     if layer is None and offsets and sh.key.startswith("decoder.layers."):
         layer = offsets.pop(0)

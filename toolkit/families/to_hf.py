@@ -9,9 +9,15 @@ Layer tensors are named as in a tp=1, pp=1 GPTModel's state dict without the
 
 from __future__ import annotations
 
+import re
+
 from toolkit.config.schema import ModelConfig
 from toolkit.families import family_of
 from toolkit.families.experts import fused_in_memory
+
+# A checkpoint's layers are stacked along a prepended axis (decoder.layers.X), or named one by one
+# where dense and MoE layers mix (decoder.layers.3.X: megatron-core's moe_layer_freq as a list)
+NAMED_LAYER = re.compile(r"^decoder\.layers\.(\d+)\.(.*)$")
 
 # Checkpoint names of the norms (TE's fused layer-norm linears) -> the local spec's module names.
 _CHECKPOINT_NAMES = {

@@ -31,15 +31,10 @@ from typing import Iterator
 import torch
 
 from toolkit.config.schema import ModelConfig
-from toolkit.families.to_hf import megatron_layer_to_hf, megatron_outer_to_hf
+from toolkit.families.to_hf import NAMED_LAYER, megatron_layer_to_hf, megatron_outer_to_hf
 
 Tensors = Iterator[tuple[str, torch.Tensor]]
 _LAYERS = "decoder.layers."
-
-
-# Layers stored one by one (where dense and MoE layers mix, megatron-core names each:
-# decoder.layers.3.mlp.router.weight) instead of stacked on a leading axis
-_NAMED = re.compile(r"^decoder\.layers\.\d+\.")
 
 
 def _layer_tensors(named: dict) -> dict:
@@ -96,7 +91,7 @@ def megatron_tensors(directory: Path, m: ModelConfig) -> Tensors:
         for key, meta in reader.read_metadata().state_dict_metadata.items()
         if isinstance(meta, TensorStorageMetadata) and not key.startswith("optimizer.")
     }
-    stacked = {key: meta for key, meta in stored.items() if key.startswith(_LAYERS) and not _NAMED.match(key)}
+    stacked = {key: meta for key, meta in stored.items() if key.startswith(_LAYERS) and not NAMED_LAYER.match(key)}
     wrong = {key: tuple(meta.size) for key, meta in stacked.items() if meta.size[0] != m.num_layers}
     if wrong:
         raise ValueError(f"{directory} holds layer tensors of another depth than num_layers={m.num_layers}: {wrong}")
@@ -121,7 +116,7 @@ def _in_one_dtype(tensors: Tensors, dtype: torch.dtype) -> Tensors:
 def _megatron_tensors(reader, stored: dict, m: ModelConfig) -> Tensors:
     import torch.distributed.checkpoint as dcp
 
-    stacked = {key: meta for key, meta in stored.items() if key.startswith(_LAYERS) and not _NAMED.match(key)}
+    stacked = {key: meta for key, meta in stored.items() if key.startswith(_LAYERS) and not NAMED_LAYER.match(key)}
 
     def load(templates: dict, offsets: dict) -> dict:
         with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
