@@ -34,6 +34,19 @@ def test_a_gpu_without_te_builds_the_local_spec_with_sdpa_sequence_parallel_norm
     assert facts["chunks_moved_to_gpu"] == 1  # Megatron-LM's get_model: torch norms are built on the host
 
 
+def test_a_gpu_builds_moe_layers_with_the_local_spec_or_asks_te_for_them(facts):
+    """Without TE: megatron-core's MoELayer with sequential experts, SDPA and torch norms as the dense
+    layers. With TE: one TE spec per kind of layer (the MoE one with its experts, grouped GEMM and
+    the QK norm), laid out as moe_layer_freq says (layer 1 dense), and TE's norm to end the block."""
+    assert facts["moe_mlp"] == ["MoELayer", "SequentialMLP"] and facts["moe_core_attention"] == "SdpaAttention"
+    assert facts["moe_norms"] == ["RMSNorm"]
+    assert facts["te_specs_asked"] == [
+        {"num_experts": None, "moe_grouped_gemm": False, "qk_layernorm": True},
+        {"num_experts": 4, "moe_grouped_gemm": True, "qk_layernorm": True},
+    ]
+    assert facts["te_layers"] == ["moe", "dense", "moe", "moe"] and facts["te_final_norm"] == "TENorm"
+
+
 def test_flash_attention_lets_transformer_engine_choose_its_fused_kernel(facts):
     """train.attention_backend=flash is megatron-core's `auto` on GPUs: TE keeps cuDNN's fused
     attention and FlashAttention both (megatron-core's `flash` forces NVTE_FUSED_ATTN=0)."""
