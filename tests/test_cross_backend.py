@@ -1,15 +1,21 @@
 """The two backends build the same model and train it the same way: from the same weights
 (megatron-core's initial weights, converted to transformers by toolkit.interop.megatron_to_hf)
 their logits agree, and 10 training steps give the same loss, learning rate and gradient norm
-at every step. Mutations: a converter or config defect -- two query heads swapped, SwiGLU's gate
-and up projections swapped, the final norm dropped, another RoPE base -- is caught by the logits
-(each moved the first loss by only 8e-6 to 4e-5, which is why the first loss alone proved little);
-weight decay on the norms (what megatron-core leaves out) is caught by the curves."""
+at every step. So for a mixture of experts (Mixtral's blocks on the deepspeed backend, at ZeRO
+0-3), with the routers' load-balancing and z-losses equal at every step too.
+
+Mutations: a converter or config defect -- two query heads swapped, SwiGLU's gate and up
+projections swapped, the final norm dropped, another RoPE base -- is caught by the logits (each
+moved the first loss by only 8e-6 to 4e-5, which is why the first loss alone proved little);
+weight decay on the norms (what megatron-core leaves out) is caught by the curves; two experts
+trading weights by the logits; the routers' losses left out of the objective, or transformers'
+pooled load-balancing loss instead of megatron-core's, by the curves."""
 
 import json
 import subprocess
 from pathlib import Path
 
+import hf_export
 import pytest
 from training_runs import Tolerance, python, trained
 
@@ -39,12 +45,11 @@ LOGITS_TOLERANCE = 1e-5
 CURVES_TOLERANCE = Tolerance(loss=1e-6, grad_norm=3e-4, parameters=float("nan"))  # no parameters: other layouts
 
 
-@pytest.fixture(scope="module")
-def runs(tmp_path_factory):
-    """megatron from its initial weights; the same weights converted; deepspeed from those."""
-    tmp = tmp_path_factory.mktemp("cross")
+def megatron_and_converted(tmp: Path, base: list[str]) -> dict:
+    """megatron from its initial weights; the same weights converted to transformers, and the
+    logits of both models (faithful and with each converter defect)."""
     init, hf = tmp / "init", tmp / "hf"
-    megatron = trained(tmp, "megatron", *BASE, f"train.save_init_checkpoint={init}")
+    megatron = trained(tmp, "megatron", *base, f"train.save_init_checkpoint={init}")
     convert = subprocess.run(
         [
             python(),
@@ -76,13 +81,16 @@ def runs(tmp_path_factory):
         timeout=300,
     )
     assert logits.returncode == 0, logits.stderr[-3000:]
-    deepspeed = trained(tmp, "deepspeed", *BASE, "backend=deepspeed", f"model.hf_path={hf}")
-    return {
-        "megatron": megatron,
-        "deepspeed": deepspeed,
-        "hf": hf,
-        "logits": json.loads(logits.stdout.strip().splitlines()[-1]),
-    }
+    return {"megatron": megatron, "hf": hf, "logits": json.loads(logits.stdout.strip().splitlines()[-1])}
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """megatron from its initial weights; deepspeed from the same weights converted."""
+    tmp = tmp_path_factory.mktemp("cross")
+    out = megatron_and_converted(tmp, BASE)
+    out["deepspeed"] = trained(tmp, "deepspeed", *BASE, "backend=deepspeed", f"model.hf_path={out['hf']}")
+    return out
 
 
 def assert_same_logits(difference: float) -> None:
@@ -93,13 +101,19 @@ def test_megatron_and_transformers_models_compute_the_same_logits(runs):
     assert_same_logits(runs["logits"]["faithful"])
 
 
-def assert_same_curve(megatron: list, deepspeed: list, steps: int = 10) -> None:
-    """deepspeed's first `steps` steps are megatron's."""
+def assert_same_curve(
+    megatron: list, deepspeed: list, steps: int = 10, tolerance: Tolerance = CURVES_TOLERANCE, router=()
+) -> None:
+    """deepspeed's first `steps` steps are megatron's (and so are the `router` losses it logs;
+    ZeRO-0 reports no gradient norm)."""
     assert [r["step"] for r in deepspeed] == [r["step"] for r in megatron[:steps]] == list(range(1, steps + 1))
     for m, d in zip(megatron, deepspeed):
         assert d["lr"] == m["lr"], (m["step"], "lr", d["lr"], m["lr"])
-        assert d["loss"] == pytest.approx(m["loss"], abs=CURVES_TOLERANCE.loss), (m["step"], "loss")
-        assert d["grad_norm"] == pytest.approx(m["grad_norm"], rel=CURVES_TOLERANCE.grad_norm), (m["step"], "grad norm")
+        assert d["loss"] == pytest.approx(m["loss"], abs=tolerance.loss), (m["step"], "loss")
+        if d["grad_norm"] is not None:
+            assert d["grad_norm"] == pytest.approx(m["grad_norm"], rel=tolerance.grad_norm), (m["step"], "grad norm")
+        for name in router:
+            assert d[name] == pytest.approx(m[name], abs=ROUTER_TOLERANCE), (m["step"], name, d[name], m[name])
 
 
 def test_both_backends_train_the_same_curve(runs):
@@ -120,3 +134,70 @@ def test_curves_catch_weight_decay_on_the_norms(tmp_path, runs):
 def test_logits_catch_a_converter_defect(runs, defect):
     with pytest.raises(AssertionError):
         assert_same_logits(runs["logits"][defect])
+
+
+# Mixture of experts: the deepspeed backend trains transformers' Mixtral blocks and adds the
+# routers' load-balancing and z-losses as megatron-core does (toolkit.train.router_losses).
+MOE_BASE = [{"model=tiny": "model=tiny_moe", "train.steps=10": "train.steps=8"}.get(o, o) for o in BASE] + [
+    "model.moe.z_loss_coeff=1e-3"
+]
+# Measured over 8 steps: losses within 9.5e-7 (one float32 ulp at 10.8: the experts' outputs add
+# up in another order), grad norms within 4.8e-5 (relative), the logged router losses within
+# 1.2e-7 at every ZeRO stage. The smallest defect to catch, the router losses logged but left out
+# of the objective, moves the loss by 4.4e-5 and the z-loss by 9.6e-4 at step 2.
+MOE_TOLERANCE = Tolerance(loss=4e-6, grad_norm=3e-4, parameters=float("nan"))
+ROUTER_TOLERANCE = 1e-5
+ROUTER = ("moe_aux_loss", "moe_z_loss")
+# ZeRO-1 on one rank runs all 8 steps; the other stages, on two ranks, the first 4
+ZERO_STAGES = {"zero1": ["zero=1"], "zero0_dp2": ["zero=0"], "zero2_dp2": ["zero=2"], "zero3_dp2": ["zero=3"]}
+
+
+@pytest.fixture(scope="module")
+def moe_runs(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("cross_moe")
+    out = megatron_and_converted(tmp, MOE_BASE)
+    common = [*MOE_BASE, "backend=deepspeed", f"model.hf_path={out['hf']}"]
+    out["zero1"] = trained(tmp, "zero1", *common)
+    for name, stage in ZERO_STAGES.items():
+        if name != "zero1":  # ZeRO-3 with activation checkpointing (the routers' logits leave the
+            # recomputed layers) and a checkpoint at step 3 to export
+            extra = ["recompute=full", "checkpoint.interval_steps=3"] if name == "zero3_dp2" else []
+            out[name] = trained(
+                tmp, name, *common, *stage, *extra, "cluster.gpus_per_node=2", "train.stop_after_steps=4"
+            )
+    return out
+
+
+def test_moe_models_compute_the_same_logits(moe_runs):
+    assert_same_logits(moe_runs["logits"]["faithful"])
+
+
+@pytest.mark.parametrize("stage", list(ZERO_STAGES))
+def test_moe_trains_the_same_curve_at_every_zero_stage(moe_runs, stage):
+    steps = 8 if stage == "zero1" else 4
+    assert_same_curve(moe_runs["megatron"].records, moe_runs[stage].records, steps, MOE_TOLERANCE, ROUTER)
+
+
+def test_moe_export_of_zero3_reproduces_the_loss_the_run_computed(tmp_path, moe_runs):
+    """The ZeRO-3 step-3 checkpoint exported (the fused experts written expert by expert under
+    Mixtral's names on disk) loads into transformers and computes step 4's loss as the run did
+    (measured: equal; one float32 ulp allowed)."""
+    run_dir = moe_runs["zero3_dp2"].run_dir
+    hf = hf_export.export(run_dir, tmp_path / "hf", "--step", 3)
+    found = hf_export.checked(run_dir, hf, 3)
+    assert abs(found["loss"] - found["recorded_loss"]) <= 1e-6, found
+
+
+@pytest.mark.mutation
+def test_logits_catch_traded_experts(moe_runs):
+    with pytest.raises(AssertionError):
+        assert_same_logits(moe_runs["logits"]["swapped_experts"])
+
+
+@pytest.mark.mutation
+@pytest.mark.parametrize("defect", ["router_losses_dropped", "router_losses_as_transformers"])
+def test_curves_catch_other_router_losses(tmp_path, moe_runs, defect):
+    mutant = [*MOE_BASE, "backend=deepspeed", f"model.hf_path={moe_runs['hf']}", "train.stop_after_steps=3"]
+    other = trained(tmp_path, defect, *mutant, mutation=defect)
+    with pytest.raises(AssertionError, match="loss"):
+        assert_same_curve(moe_runs["megatron"].records, other.records, 3, MOE_TOLERANCE, ROUTER)

@@ -102,7 +102,43 @@ CASES = [
         [MOE, "model.moe.dense_layers=[0,1,2]"],
         "model.moe.dense_layers",
     ),
-    ("moe_backend", [MOE, "backend=deepspeed", "zero=2"], [MOE, "zero=2"], "model.moe.num_experts"),
+    # the deepspeed backend trains transformers' MoE blocks (toolkit.families.base.Family.unexpressed)
+    (
+        "moe_family_backend",
+        [MOE, "backend=deepspeed", "zero=3", "model.moe.norm_topk_prob=false"],
+        [MOE, "zero=3", "model.moe.norm_topk_prob=false"],
+        "model.moe.norm_topk_prob",
+    ),
+    (
+        "moe_family_backend",
+        [MOE, "backend=deepspeed", "model.moe.capacity_factor=1.0"],
+        [MOE, "backend=deepspeed", "model.moe.z_loss_coeff=1e-3", "model.moe.load_balancing=seq_aux_loss"],
+        "model.moe.capacity_factor",
+    ),
+    (
+        "moe_family_backend",
+        [MOE, "backend=deepspeed", "model.moe.dense_layers=[1]"],
+        [MOE, "backend=deepspeed", "model.family=qwen3_moe", "model.qk_layernorm=true", "model.moe.dense_layers=[1]"],
+        "model.moe.dense_layers",
+    ),
+    (
+        "moe_family_backend",
+        [MOE, "backend=deepspeed", "model.moe.score_function=sigmoid"],
+        [MOE, "model.moe.score_function=sigmoid"],
+        "model.moe.score_function",
+    ),
+    (
+        "moe_grouped_gemm_backend",
+        [MOE, "backend=deepspeed", "model.moe.grouped_gemm=true"],
+        [MOE, "backend=deepspeed"],
+        "model.moe.grouped_gemm",
+    ),
+    (
+        "moe_pipeline_backend",
+        [MOE, "backend=deepspeed", "parallel.pp=2", "zero=1"],
+        [MOE, "parallel.pp=2", "zero=1"],
+        "parallel.pp",
+    ),
     ("deepspeed_layout", [MOE, "backend=deepspeed", "parallel.ep=2"], [MOE, "parallel.ep=2"], "parallel.ep"),
     ("range", [MOE, "parallel.ep=0"], [MOE, "parallel.ep=1"], "parallel.ep"),
     (
@@ -144,3 +180,20 @@ def test_grouped_gemm_and_the_flex_dispatcher_need_their_packages_where_the_run_
         (missing,) = [v for v in validate(cfg, installed=lambda module: False).errors if v.rule == "package"]
         assert field in str(missing)
         assert validate(cfg, installed=lambda module: True).ok
+
+
+def test_a_backend_without_experts_refuses_a_mixture_of_experts(compose, monkeypatch):
+    """Every backend trains some mixtures of experts today: a description without them shows the
+    entry acts, and its fix names the backends that have them."""
+    import dataclasses
+
+    from toolkit.plan import backends
+    from toolkit.plan.rules import capabilities
+
+    cfg = compose(MOE, "backend=deepspeed")
+    assert not [v for v in capabilities.backend(cfg) if v.rule.startswith("moe_")]
+    dense_only = dataclasses.replace(backends.backend_of(cfg), moe=None)
+    monkeypatch.setattr(capabilities, "backend_of", lambda cfg: dense_only)
+    (hit,) = [v for v in capabilities.backend(cfg) if v.rule.startswith("moe_")]
+    assert hit.rule == "moe_backend" and hit.fields == {"model.moe.num_experts": 4, "backend.name": "deepspeed"}
+    assert hit.fix == "use backend=megatron or backend=deepspeed"

@@ -78,3 +78,22 @@ def test_a_registered_family_is_read_from_config_json(tmp_path, monkeypatch):
     fields = model_fields(tmp_path)
     assert fields["family"] == "llama_like_test"
     assert (fields["num_layers"], fields["hidden_size"], fields["activation"]) == (2, 64, "swiglu")
+
+
+def test_qwen3_moe_writes_megatron_cores_pattern_of_moe_layers(compose, tmp_path):
+    """Every layer_freq-th layer from layer 0 is an MoE layer in megatron-core, every
+    decoder_sparse_step-th from layer step-1 in transformers: the config written lists the dense
+    layers instead, and reads back as the same pattern."""
+    from transformers import Qwen3MoeForCausalLM
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+
+    from toolkit.config.schema import moe_layer_pattern
+
+    m = compose("model=tiny_moe", "model.family=qwen3_moe", "model.qk_layernorm=true", "model.moe.layer_freq=2").model
+    m.moe.dense_layers = [2]
+    config = family_of("qwen3_moe").hf_config(m)
+    model = Qwen3MoeForCausalLM(config)
+    sparse = [int(isinstance(layer.mlp, Qwen3MoeSparseMoeBlock)) for layer in model.model.layers]
+    assert sparse == moe_layer_pattern(m) == [1, 0, 0, 0]
+    config.save_pretrained(tmp_path)
+    assert model_fields(tmp_path)["moe"]["dense_layers"] == [1, 2, 3]

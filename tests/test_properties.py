@@ -127,10 +127,8 @@ def plausible_overrides(draw):
     m, c = MODEL[name], CLUSTER[cluster]
     cuda = c.device == "cuda"
     # megatron-core's sliding-window attention runs through Transformer Engine (CUDA only).
-    moe = m.moe.num_experts is not None  # mixtures of experts train on megatron only
-    backend = draw(
-        st.sampled_from(["megatron"] if moe else BACKENDS if cuda or not m.sliding_window else ["deepspeed"])
-    )
+    moe = m.moe.num_experts is not None
+    backend = draw(st.sampled_from(BACKENDS if cuda or not m.sliding_window else ["deepspeed"]))
     megatron = backend == "megatron"
     # Whether the layout fits in memory is the planner's question, not the upstream libraries':
     # the memory rule is tested in tests/test_fit.py.
@@ -164,8 +162,8 @@ def plausible_overrides(draw):
     # Pipeline: pp*vpp equal chunks of the layers, or (megatron) an uneven first/last stage.
     rest = world // (tp * cp)
     # The deepspeed pipeline refuses ZeRO >= 2 (drawn below), and models whose embedding and head
-    # are tied or whose attention uses a sliding window.
-    pipeline = megatron or not (m.tie_embeddings or m.sliding_window)
+    # are tied, whose attention uses a sliding window, or that have experts.
+    pipeline = megatron or not (m.tie_embeddings or m.sliding_window or moe)
     first = last = None
     pps = (
         [d for d in _divisors(rest) if 2 <= d <= m.num_layers and _uneven_splits(m.num_layers, d, 1)]
@@ -187,7 +185,7 @@ def plausible_overrides(draw):
         f"parallel.cp={cp}",
         f"parallel.sequence_parallel={str(sequence_parallel).lower()}",
     ]
-    if moe:  # the experts over ep of a stage's ranks (etp follows tp: ep divides cp x dp)
+    if moe and megatron:  # the experts over ep of a stage's ranks (etp follows tp: ep divides cp x dp)
         out.append(
             f"parallel.ep={draw(st.sampled_from([e for e in _divisors(m.moe.num_experts) if (cp * dp) % e == 0]))}"
         )

@@ -4,10 +4,11 @@ checkpoint) and of the transformers model converted from the same weights, on th
 Prints {variant: largest absolute logit difference} as JSON for the faithful conversion and for
 test-only defects of the converter or the config (mutations the product never makes): two query
 heads swapped, SwiGLU's gate and up projections swapped, the final norm dropped, another RoPE
-base.
+base, and for a mixture of experts two experts' weights traded under the same router.
 
     python cross_backend_logits.py PORT RUN_DIR MEGATRON_CHECKPOINT HF_DIR
 """
+
 import copy
 import json
 import os
@@ -25,13 +26,25 @@ def _swap_query_heads(state: dict, m) -> None:
     d = m.head_dim or m.hidden_size // m.num_attention_heads
     for i in range(m.num_layers):
         q = state[f"model.layers.{i}.self_attn.q_proj.weight"]
-        q[:d], q[d:2 * d] = q[d:2 * d].clone(), q[:d].clone()
+        q[:d], q[d : 2 * d] = q[d : 2 * d].clone(), q[:d].clone()
 
 
 def _swap_gate_up(state: dict, m) -> None:
     for i in range(m.num_layers):
         gate, up = f"model.layers.{i}.mlp.gate_proj.weight", f"model.layers.{i}.mlp.up_proj.weight"
-        state[gate], state[up] = state[up], state[gate]
+        if gate in state:
+            state[gate], state[up] = state[up], state[gate]
+        else:  # transformers' experts in memory: [experts, gate; up, hidden]
+            fused = state[f"model.layers.{i}.mlp.experts.gate_up_proj"]
+            gate_half, up_half = fused.chunk(2, dim=1)
+            fused.copy_(torch.cat([up_half.clone(), gate_half.clone()], dim=1))
+
+
+def _swap_experts(state: dict, m) -> None:
+    """The first layer's experts 0 and 1 trade weights while the router keeps its rows."""
+    for kind in ("gate_up_proj", "down_proj"):
+        w = state[f"model.layers.0.mlp.experts.{kind}"]
+        w[0], w[1] = w[1].clone(), w[0].clone()
 
 
 def main():
@@ -60,7 +73,7 @@ def main():
     tokens = torch.stack([data[i]["tokens"] for i in range(2)])
     positions = torch.arange(cfg.model.seq_length).expand(2, -1)
     with torch.no_grad():
-        expected = megatron(tokens, positions, None)[..., :cfg.model.vocab_size]
+        expected = megatron(tokens, positions, None)[..., : cfg.model.vocab_size]
 
     config = AutoConfig.from_pretrained(hf_dir)
     faithful = AutoModelForCausalLM.from_pretrained(hf_dir, dtype=torch.float32)
@@ -83,6 +96,8 @@ def main():
         "no_final_norm": variant(edit_model=lambda model: setattr(model.model, "norm", torch.nn.Identity())),
         "rope_base_500000": variant(rope_parameters={"rope_type": "default", "rope_theta": 500000.0}),
     }
+    if cfg.model.moe.num_experts:
+        models["swapped_experts"] = variant(edit_state=_swap_experts)
     out = {}
     for name, model in models.items():
         model.eval()

@@ -173,6 +173,40 @@ def expert_grads_unreduced():
     _when_megatron_builds(patch)
 
 
+def router_losses_dropped():
+    """The deepspeed backend logs the routers' losses but leaves them out of what it trains."""
+    from toolkit.train import router_losses
+
+    losses = router_losses.router_losses
+
+    def logged_only(*args):
+        out = losses(*args)
+        return router_losses.RouterLosses(out.total.detach() * 0, out.logged)
+
+    router_losses.router_losses = logged_only
+
+
+def router_losses_as_transformers():
+    """The deepspeed backend trains (and logs) transformers' load_balancing_loss_func, which pools
+    every layer's tokens before the product of the two means, instead of megatron-core's per-layer loss."""
+    from toolkit.train import router_losses
+
+    losses = router_losses.router_losses
+
+    def pooled(router_logits, moe, sequences):
+        import dataclasses
+
+        from transformers.models.mixtral.modeling_mixtral import load_balancing_loss_func
+
+        z_only = losses(router_logits, dataclasses.replace(moe, aux_loss_coeff=0.0), sequences)
+        aux = load_balancing_loss_func(router_logits, moe.num_experts, moe.router_topk)
+        return router_losses.RouterLosses(
+            z_only.total + moe.aux_loss_coeff * aux, {**z_only.logged, "moe_aux_loss": aux.detach()}
+        )
+
+    router_losses.router_losses = pooled
+
+
 MUTATIONS = {
     f.__name__: f
     for f in (
@@ -186,6 +220,8 @@ MUTATIONS = {
         resume_gives_up,
         moe_tokens_misrouted,
         expert_grads_unreduced,
+        router_losses_dropped,
+        router_losses_as_transformers,
     )
 }
 

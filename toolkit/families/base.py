@@ -53,6 +53,12 @@ class Family:
         """The transformers PretrainedConfig of the same architecture (unpadded vocabulary)."""
         raise NotImplementedError
 
+    def unexpressed(self, m: ModelConfig) -> dict:
+        """The model's settings (schema field -> toolkit.families.experts.Unexpressed) that this
+        family's transformers modules do not express: a backend that trains those modules cannot
+        honour them."""
+        return {}
+
     def names_on_disk(self, names: set[str], m: ModelConfig) -> set[str]:
         """The tensor names a checkpoint of this family holds for a transformers model whose
         state dict has `names` (they differ where transformers fuses what the files keep apart)."""
@@ -61,6 +67,15 @@ class Family:
         from toolkit.families.experts import names_on_disk
 
         return names_on_disk(names, self.experts, m.moe.num_experts)
+
+    def on_disk(self, name: str, tensor) -> dict:
+        """One tensor of the transformers model in memory -> {its name on disk: tensor} (several
+        where transformers fuses what the family's files keep apart: the experts)."""
+        if self.experts is None:
+            return {name: tensor}
+        from toolkit.families.experts import unfused_on_disk
+
+        return unfused_on_disk(name, tensor, self.experts)
 
     # --- weights: megatron-core -> Hugging Face
     def layer_prefix(self, i: int) -> str:

@@ -7,6 +7,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from toolkit.config.schema import ModelConfig
+
 
 def moe_fields(
     experts: int, topk: int, expert_ffn: int, norm_topk_prob: bool, aux_loss_coeff: float | None, dense_layers=()
@@ -23,6 +25,41 @@ def moe_fields(
     if aux_loss_coeff is not None:
         fields["aux_loss_coeff"] = float(aux_loss_coeff)
     return fields
+
+
+@dataclass(frozen=True)
+class Unexpressed:
+    """A model.moe setting an MoE family's transformers blocks cannot express."""
+
+    value: object  # the configured value
+    expressed: object  # the value they express
+    why: str  # what the blocks do instead
+
+
+def routing_unexpressed(m: ModelConfig) -> dict[str, Unexpressed]:
+    """What transformers' Mixtral and Qwen MoE blocks (MixtralSparseMoeBlock, Qwen3MoeSparseMoeBlock)
+    do not express: their router ranks a softmax of its logits with no bias, every expert takes all
+    its tokens (dropless), and no expert is shared."""
+    moe, out = m.moe, {}
+    if moe.score_function != "softmax":
+        out["model.moe.score_function"] = Unexpressed(moe.score_function, "softmax", "rank a softmax of the logits")
+    if moe.load_balancing == "expert_bias":
+        out["model.moe.load_balancing"] = Unexpressed(moe.load_balancing, "aux_loss", "add no bias to the scores")
+    if moe.capacity_factor is not None:
+        out["model.moe.capacity_factor"] = Unexpressed(moe.capacity_factor, None, "drop no token")
+    if moe.shared_expert_size:
+        out["model.moe.shared_expert_size"] = Unexpressed(moe.shared_expert_size, None, "share no expert")
+    return out
+
+
+def every_layer_unexpressed(m: ModelConfig) -> dict[str, Unexpressed]:
+    """What a family whose every layer is an MoE layer (Mixtral) does not express."""
+    why, out = "make every layer an MoE layer", {}
+    if m.moe.layer_freq != 1:
+        out["model.moe.layer_freq"] = Unexpressed(m.moe.layer_freq, 1, why)
+    if m.moe.dense_layers:
+        out["model.moe.dense_layers"] = Unexpressed(list(m.moe.dense_layers), [], why)
+    return out
 
 
 @dataclass(frozen=True)
@@ -71,6 +108,24 @@ def names_on_disk(names: set[str], experts: ExpertNames, num_experts: int) -> se
             out |= {f"{prefix}{experts.expert.format(e=e)}{k}.weight" for e in range(num_experts) for k in kinds}
         else:
             out.add(name)
+    return out
+
+
+def unfused_on_disk(name: str, tensor, names: ExpertNames) -> dict:
+    """One tensor of transformers' model in memory -> the family's tensors on disk: the fused
+    experts split expert by expert (the inverse of fused_in_memory, one tensor at a time)."""
+    prefix, found = next(((name[: -len(n)], n) for n in (ROUTER, GATE_UP, DOWN) if name.endswith(n)), (name, None))
+    if found is None:
+        return {name: tensor}
+    if found == ROUTER:
+        return {prefix + names.router: tensor}
+    out = {}
+    for e, expert in enumerate(tensor):
+        base = f"{prefix}{names.expert.format(e=e)}"
+        if found == GATE_UP:
+            out[f"{base}{names.gate}.weight"], out[f"{base}{names.up}.weight"] = expert.chunk(2, dim=0)
+        else:
+            out[f"{base}{names.down}.weight"] = expert
     return out
 
 

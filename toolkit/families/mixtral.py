@@ -10,7 +10,7 @@ checkpoints and transformers' save_pretrained write them) each expert is
 from __future__ import annotations
 
 from toolkit.config.schema import ModelConfig, expert_ffn_size
-from toolkit.families.experts import ExpertNames, moe_fields
+from toolkit.families.experts import ExpertNames, Unexpressed, every_layer_unexpressed, moe_fields, routing_unexpressed
 from toolkit.families.llama import LlamaLike
 from toolkit.formats.hf_arch import unsupported
 
@@ -38,6 +38,12 @@ class Mixtral(LlamaLike):
                 experts, c.get("num_experts_per_tok", 2), c["intermediate_size"], True, c.get("router_aux_loss_coef")
             ),
         }
+
+    def unexpressed(self, m: ModelConfig) -> dict:
+        out = {**routing_unexpressed(m), **every_layer_unexpressed(m)}
+        if not m.moe.norm_topk_prob:
+            out["model.moe.norm_topk_prob"] = Unexpressed(False, True, "renormalise the top-k weights")
+        return out
 
     def _config(self, common: dict, m: ModelConfig):
         from transformers import MixtralConfig

@@ -9,8 +9,8 @@ mlp_only_layers and (i + 1) % decoder_sparse_step == 0; the dense ones have the 
 
 from __future__ import annotations
 
-from toolkit.config.schema import ModelConfig
-from toolkit.families.experts import ExpertNames, moe_fields
+from toolkit.config.schema import ModelConfig, moe_layer_pattern
+from toolkit.families.experts import ExpertNames, moe_fields, routing_unexpressed
 from toolkit.families.llama import LlamaLike
 
 
@@ -46,6 +46,9 @@ class Qwen3Moe(Qwen3):
         )
         return {**super()._variant(c, attention_bias, window, path), "moe": moe}
 
+    def unexpressed(self, m: ModelConfig) -> dict:
+        return routing_unexpressed(m)
+
     def _config(self, common: dict, m: ModelConfig):
         from transformers import Qwen3MoeConfig
 
@@ -58,8 +61,8 @@ class Qwen3Moe(Qwen3):
             moe_intermediate_size=m.moe.ffn_hidden_size or m.ffn_hidden_size,
             norm_topk_prob=m.moe.norm_topk_prob,
             router_aux_loss_coef=m.moe.aux_loss_coeff,
-            decoder_sparse_step=1,
-            mlp_only_layers=list(m.moe.dense_layers),
+            decoder_sparse_step=1,  # every layer sparse but those listed: any of megatron-core's patterns
+            mlp_only_layers=[i for i, sparse in enumerate(moe_layer_pattern(m)) if not sparse],
         )
 
 

@@ -31,6 +31,7 @@ from typing import Iterator
 import torch
 
 from toolkit.config.schema import ModelConfig
+from toolkit.families import family_of
 from toolkit.families.to_hf import NAMED_LAYER, megatron_layer_to_hf, megatron_outer_to_hf
 
 Tensors = Iterator[tuple[str, torch.Tensor]]
@@ -148,15 +149,22 @@ def _megatron_tensors(reader, stored: dict, m: ModelConfig) -> Tensors:
 
 
 def deepspeed_tensors(state_dir: Path, m: ModelConfig) -> Tensors:
-    """The transformers tensors of a DeepSpeed engine checkpoint (one tag's directory)."""
+    """The transformers tensors of a DeepSpeed engine checkpoint (one tag's directory), under the
+    family's names on disk (a mixture of experts' fused experts split expert by expert)."""
     layer_files = sorted(state_dir.glob("layer_*-model_states.pt"), key=lambda p: int(re.findall(r"\d+", p.name)[0]))
     if layer_files:
         return _pipeline_tensors(layer_files, m)
     if (state_dir / "zero_pp_rank_0_mp_rank_00_model_states.pt").exists():
-        return _zero3_tensors(state_dir)
+        return _on_disk(_zero3_tensors(state_dir), m)
     if (state_dir / "mp_rank_00_model_states.pt").exists():
-        return _module_tensors(state_dir / "mp_rank_00_model_states.pt")
+        return _on_disk(_module_tensors(state_dir / "mp_rank_00_model_states.pt"), m)
     raise FileNotFoundError(f"{state_dir} holds no DeepSpeed model states (*_model_states.pt)")
+
+
+def _on_disk(tensors: Tensors, m: ModelConfig) -> Tensors:
+    family = family_of(m.family)
+    for name, tensor in tensors:
+        yield from family.on_disk(name, tensor).items()
 
 
 def _module_tensors(path: Path) -> Tensors:

@@ -95,6 +95,17 @@ DEEP_EP = Package(
 
 
 @dataclass(frozen=True)
+class MoeSupport:
+    """What of a mixture-of-experts model a backend trains."""
+
+    # Its MoE layers are the model family's transformers modules, which express only some of
+    # model.moe's settings (toolkit.families.base.Family.unexpressed); else megatron-core's MoELayer.
+    family_modules: bool
+    grouped_gemm: bool  # all local experts in one grouped GEMM
+    pipeline: bool  # MoE layers on pipeline stages (pp > 1)
+
+
+@dataclass(frozen=True)
 class Backend:
     name: str
     summary: str
@@ -105,7 +116,7 @@ class Backend:
     # of {"tp", "pp", "vpp", "cp", "sp", "ep", "etp"} and "tp_overlap" (tensor-parallel communication overlapped
     # with the GEMMs); dp always
     parallel_dims: frozenset[str]
-    moe: bool  # mixture-of-experts models (model.moe.num_experts)
+    moe: MoeSupport | None  # mixture-of-experts models (model.moe.num_experts); None: dense only
     recompute: tuple[str, ...]  # recompute granularities
     precisions: tuple[str, ...]
     offload: bool  # ZeRO optimizer/parameter offload
@@ -165,7 +176,7 @@ MEGATRON = Backend(
     zero_meaning="stage 1 is Megatron's distributed optimizer (optimizer state sharded over dp x cp)",
     pipeline_zero_stages=(0, 1),
     parallel_dims=frozenset({"tp", "pp", "vpp", "cp", "sp", "tp_overlap", "ep", "etp"}),
-    moe=True,
+    moe=MoeSupport(family_modules=False, grouped_gemm=True, pipeline=True),
     recompute=("none", "selective", "full"),
     precisions=("fp32", "bf16", "fp16", "fp8"),
     offload=False,
@@ -209,7 +220,13 @@ DEEPSPEED = Backend(
     zero_meaning="ZeRO stages 1-3 shard optimizer state, then gradients, then parameters",
     pipeline_zero_stages=(0, 1),  # DeepSpeed's PipelineEngine
     parallel_dims=frozenset({"pp"}),
-    moe=False,
+    # transformers' MoE blocks under ZeRO 0-3, the routers' losses added by parakit
+    # (toolkit.train.router_losses). No expert parallel: DeepSpeed's own MoE layer (deepspeed.moe)
+    # gates and balances its own way (its top-1/top-2 gates and loss, sharded_moe.py) and refuses
+    # ZeRO-3 (runtime/engine.py), and its AutoEP fails on transformers 5's MoE blocks. No pipeline:
+    # the routers' logits would have to travel with the activations through DeepSpeed's
+    # PipelineModule, which passes the hidden states only.
+    moe=MoeSupport(family_modules=True, grouped_gemm=False, pipeline=False),
     recompute=("none", "full"),  # transformers models checkpoint whole layers
     precisions=("fp32", "bf16", "fp16"),
     offload=True,

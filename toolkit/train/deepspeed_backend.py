@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import torch
 
-from toolkit.config.schema import Config
+from toolkit.config.schema import Config, is_moe
 from toolkit.emit.deepspeed import deepspeed_config
 from toolkit.plan.layout import Layout
-from toolkit.train import deepspeed_engine
+from toolkit.train import deepspeed_engine, router_losses
 from toolkit.train.checkpoint import seed_host_rngs
 from toolkit.train.data import build_datasets, eval_batches, micro_batches
 from toolkit.train.loop import Gradients
@@ -40,23 +40,37 @@ class DataParallelSteps(deepspeed_engine.EngineSteps):
         return total.item() / (self.cfg.train.eval_iters * layout.grad_accum * layout.dp)
 
     def forward_backward(self, step: int, poison: bool, beat) -> Gradients:
-        engine, layout = self.engine, self.layout
+        engine, layout, moe = self.engine, self.layout, self.cfg.model.moe
         poison = poison and torch.distributed.get_rank() == 0
-        total = torch.zeros((), dtype=torch.float32, device=engine.device)  # NCCL reduces device tensors
+        experts = is_moe(self.cfg.model)
+        # the LM loss, then the routers' logged losses: reduced together, no host sync per micro-batch
+        names = router_losses.logged_names(moe) if experts else []
+        total = torch.zeros(1 + len(names), dtype=torch.float32, device=engine.device)  # NCCL: device tensors
         for _ in range(layout.grad_accum):
             batch = {k: v.to(engine.device) for k, v in next(self.batches).items()}
             with self.compute.timing():
-                logits = engine(input_ids=batch["tokens"], position_ids=batch["position_ids"]).logits
-                loss = deepspeed_engine.token_loss(logits, batch["labels"], batch["loss_mask"])
+                out = engine(
+                    input_ids=batch["tokens"],
+                    position_ids=batch["position_ids"],
+                    **({"output_router_logits": True} if experts else {}),
+                )
+                loss = deepspeed_engine.token_loss(out.logits, batch["labels"], batch["loss_mask"])
+                objective = loss
+                if experts:  # the routers' losses, layer by layer as megatron-core adds them
+                    routers = router_losses.router_losses(out.router_logits, moe, batch["tokens"].size(0))
+                    objective = loss + routers.total
+                    total[1:] += torch.stack([routers.logged[name] for name in names])
                 if poison:  # train.fault.nan_at_step: NaN gradients follow, as after a numerical fault
+                    objective = objective * float("nan")
                     loss = loss * float("nan")
-                engine.backward(loss)
+                engine.backward(objective)
             engine.step()
-            total += loss.detach().float()  # no host sync per micro-batch
+            total[0] += loss.detach().float()
             beat(step)
-        total /= layout.grad_accum
+        total /= layout.grad_accum * layout.dp
         torch.distributed.all_reduce(total)
-        return Gradients(total.item() / layout.dp)
+        values = total.tolist()
+        return Gradients(values[0], extra=dict(zip(names, values[1:])))
 
 
 def setup(cfg: Config, layout: Layout) -> deepspeed_engine.EngineSteps:

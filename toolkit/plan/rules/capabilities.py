@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 from toolkit.config.schema import Config, is_moe
+from toolkit.families import family_of
 from toolkit.plan.backends import Backend, backend_of, supporting
 from toolkit.plan.rules.base import Violation, err, listing, others
 
@@ -73,15 +74,63 @@ def _moe(cfg: Config, be: Backend) -> dict:
     return {"model.moe.num_experts": cfg.model.moe.num_experts} if is_moe(cfg.model) else {}
 
 
+def _unexpressed(cfg: Config) -> dict:
+    return family_of(cfg.model.family).unexpressed(cfg.model) if is_moe(cfg.model) else {}
+
+
+def _family_settings(cfg: Config) -> dict:
+    return {field: u.value for field, u in _unexpressed(cfg).items()}
+
+
+def _moe_option(asked: Callable[[Config], dict]) -> Callable[[Config, Backend], dict]:
+    """`asked`'s fields where the model has experts and the backend trains some (else moe_backend says it)."""
+    return lambda cfg, be: asked(cfg) if is_moe(cfg.model) and be.moe else {}
+
+
+def _express(cfg: Config, be: Backend, can: str) -> str:
+    settings = " and ".join(
+        f"{field}={'null' if u.expressed is None else str(u.expressed).lower()}"
+        for field, u in _unexpressed(cfg).items()
+    )
+    return f"set {settings}, or {can}"
+
+
 # In the order they are reported. The fields of each violation are what `asks` returns, plus
 # backend.name (except for the sliding window, whose fix names the backend).
 CAPABILITIES: tuple[Capability, ...] = (
     Capability(
         "moe_backend",
         _moe,
-        lambda be, cfg: be.moe,
+        lambda be, cfg: be.moe is not None,
         lambda cfg, be: f"the {be.name} backend trains dense models only",
         lambda cfg, be, can: f"use {can}",
+    ),
+    Capability(
+        "moe_family_backend",
+        _moe_option(_family_settings),
+        lambda be, cfg: be.moe is not None and not be.moe.family_modules,
+        lambda cfg, be: (
+            f"the {be.name} backend trains transformers' {cfg.model.family} MoE blocks, which "
+            + "; ".join(sorted({u.why for u in _unexpressed(cfg).values()}))
+        ),
+        _express,
+    ),
+    Capability(
+        "moe_grouped_gemm_backend",
+        _moe_option(lambda cfg: {"model.moe.grouped_gemm": True} if cfg.model.moe.grouped_gemm else {}),
+        lambda be, cfg: be.moe is not None and be.moe.grouped_gemm,
+        lambda cfg, be: f"the {be.name} backend runs each expert's own GEMMs (transformers' experts loop)",
+        lambda cfg, be, can: f"set model.moe.grouped_gemm=false, or {can}",
+    ),
+    Capability(
+        "moe_pipeline_backend",
+        _moe_option(lambda cfg: {"parallel.pp": cfg.parallel.pp} if cfg.parallel.pp > 1 else {}),
+        lambda be, cfg: be.moe is not None and be.moe.pipeline,
+        lambda cfg, be: (
+            f"the {be.name} pipeline passes only the hidden states between stages, and the routers' "
+            "logits would have to travel with them for the load-balancing loss"
+        ),
+        lambda cfg, be, can: f"use parallel.pp=1 (ZeRO shards the model instead), or {can}",
     ),
     Capability(
         "zero_pipeline",
