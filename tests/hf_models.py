@@ -47,6 +47,21 @@ CONFIGS = {
             tie_word_embeddings=False,
         ),
     ),
+    # Qwen2-MoE: q/k/v biases, 4 experts of moe_intermediate_size, top-2 NOT renormalised, a gated
+    # shared expert of yet another size, and layer 2 dense.
+    "qwen2_moe": (
+        "Qwen2MoeConfig",
+        dict(
+            COMMON,
+            num_experts=4,
+            num_experts_per_tok=2,
+            moe_intermediate_size=48,
+            shared_expert_intermediate_size=80,
+            norm_topk_prob=False,
+            mlp_only_layers=[2],
+            tie_word_embeddings=False,
+        ),
+    ),
     # GPT-2: learned positions, LayerNorm with biases, gelu_new, tied embeddings.
     "gpt2": (
         "GPT2Config",

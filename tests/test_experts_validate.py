@@ -128,6 +128,18 @@ CASES = [
         "model.moe.score_function",
     ),
     (
+        "moe_family_backend",
+        [MOE, "backend=deepspeed", "model.family=qwen2_moe"],
+        [
+            MOE,
+            "backend=deepspeed",
+            "model.family=qwen2_moe",
+            "model.moe.shared_expert_size=96",
+            "model.moe.shared_expert_gate=true",
+        ],
+        "model.moe.shared_expert_size",
+    ),
+    (
         "moe_grouped_gemm_backend",
         [MOE, "backend=deepspeed", "model.moe.grouped_gemm=true"],
         [MOE, "backend=deepspeed"],

@@ -231,8 +231,21 @@ def test_a_minority_dtype_joins_the_models_only_when_exact():
             ["model=tiny_moe", "model.family=qwen3_moe", "model.qk_layernorm=true", "model.moe.dense_layers=[1]"],
             torch.bfloat16,
         ),
+        # Qwen2-MoE: q/k/v biases, a gated shared expert, top-k not renormalised, layer 2 dense
+        (
+            [
+                "model=tiny_moe",
+                "model.family=qwen2_moe",
+                "model.add_qkv_bias=true",
+                "model.moe.norm_topk_prob=false",
+                "model.moe.shared_expert_size=96",
+                "model.moe.shared_expert_gate=true",
+                "model.moe.dense_layers=[2]",
+            ],
+            torch.float32,
+        ),
     ],
-    ids=["llama_bf16", "gpt2_tied", "mixtral", "qwen3_moe_bf16"],
+    ids=["llama_bf16", "gpt2_tied", "mixtral", "qwen3_moe_bf16", "qwen2_moe"],
 )
 def test_hf_to_megatron_to_hf_is_bit_for_bit(tmp_path, compose, model, dtype):
     """The import (`parakit convert hf-to-megatron`) then the export give back the very files'

@@ -13,7 +13,7 @@ import pytest
 
 from toolkit.config.schema import Family as FamilyName
 from toolkit.families import FAMILIES, family_of
-from toolkit.families.hf_config import model_fields
+from toolkit.families.hf_config import hf_config, model_fields
 from toolkit.families.llama import Llama
 from toolkit.formats.hf_arch import HfConfigError
 
@@ -43,11 +43,16 @@ def test_every_family_of_the_schema_is_registered_once():
     assert all(name == family.name for name, family in FAMILIES.items())
 
 
+# what a family's transformers modules need beyond the tiny models (toolkit.families.base.Family.unexpressed)
+NEEDS = {"qwen2_moe": ["model.moe.shared_expert_size=96", "model.moe.shared_expert_gate=true"]}
+
+
 @pytest.mark.parametrize("name", [f.value for f in FamilyName])
 def test_a_family_builds_its_own_transformers_configuration(compose, name):
     qk = f"model.qk_layernorm={family_of(name).qk_layernorm}"
-    m = compose("model=tiny_moe" if family_of(name).moe else "model=tiny", f"model.family={name}", qk).model
-    config = family_of(name).hf_config(m)
+    tiny = "model=tiny_moe" if family_of(name).moe else "model=tiny"
+    m = compose(tiny, f"model.family={name}", qk, *NEEDS.get(name, [])).model
+    config = hf_config(m)
     # transformers' own name for the architecture: the model_type its config.json carries
     assert config.model_type == name
     assert config.vocab_size == m.vocab_size
@@ -97,3 +102,12 @@ def test_qwen3_moe_writes_megatron_cores_pattern_of_moe_layers(compose, tmp_path
     assert sparse == moe_layer_pattern(m) == [1, 0, 0, 0]
     config.save_pretrained(tmp_path)
     assert model_fields(tmp_path)["moe"]["dense_layers"] == [1, 2, 3]
+
+
+def test_a_model_its_family_cannot_express_gets_no_transformers_configuration(compose):
+    """A Mixtral that drops tokens over capacity, or a Qwen2-MoE without its shared expert, would
+    be another model in transformers: named, not written."""
+    with pytest.raises(ValueError, match=r"model.moe.capacity_factor=1.0 \(they drop no token\)"):
+        hf_config(compose("model=tiny_moe", "model.moe.capacity_factor=1.0").model)
+    with pytest.raises(ValueError, match="model.moe.shared_expert_size=None"):
+        hf_config(compose("model=tiny_moe", "model.family=qwen2_moe").model)

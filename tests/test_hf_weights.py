@@ -23,19 +23,20 @@ from toolkit.formats.hf_arch import HfConfigError
 
 TESTS = Path(__file__).parent
 QWEN2_CONFIG = TESTS / "data" / "hf_qwen2"  # a config.json only
-FAMILIES = ["llama", "qwen2", "mistral", "gpt2", "qwen3", "mixtral", "qwen3_moe"]
+FAMILIES = ["llama", "qwen2", "mistral", "gpt2", "qwen3", "mixtral", "qwen3_moe", "qwen2_moe"]
 LAYOUTS = [(1, 1, 1), (2, 1, 1), (2, 2, 1), (2, 2, 2)]  # (tp, pp, vpp) on 4 ranks
 # (tp, pp, vpp, ep): the experts split 2 or 4 ways, with tensor parallel (etp following it) or pipeline
 MOE_LAYOUTS = [(2, 1, 1, 2), (1, 2, 2, 2), (1, 1, 1, 4)]
-MOE_FAMILIES = ("mixtral", "qwen3_moe")
-# Qwen3 differs from Llama by its QK norms only: split by tp, and by pp x vpp (the launch's time)
-FEWER_LAYOUTS = {"qwen3": [(2, 1, 1), (2, 2, 2)]}
+MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
+# Qwen3 differs from Llama by its QK norms only: split by tp, and by pp x vpp (the launch's time);
+# Qwen2-MoE from Qwen3-MoE by its shared expert (split by tp) and q/k/v biases
+FEWER_LAYOUTS = {"qwen3": [(2, 1, 1, 1), (2, 2, 2, 1)], "qwen2_moe": [(2, 1, 1, 2), (1, 2, 2, 2)]}
 
 
 def _layouts(family):
-    if family in MOE_FAMILIES:
-        return MOE_LAYOUTS
-    return [(*layout, 1) for layout in FEWER_LAYOUTS.get(family, LAYOUTS)]
+    if family in FEWER_LAYOUTS:
+        return FEWER_LAYOUTS[family]
+    return MOE_LAYOUTS if family in MOE_FAMILIES else [(*layout, 1) for layout in LAYOUTS]
 
 
 # Measured: at most 2.0e-6 over every family and layout (logits up to ~3.2 in size).
@@ -86,7 +87,8 @@ LLAMA = {**json.loads((QWEN2_CONFIG / "config.json").read_text()), "model_type":
         ("empty", "no config.json"),
         (
             {"model_type": "bert"},
-            "model_type 'bert' is not supported (supported: llama, qwen2, mistral, gpt2, mixtral, qwen3, qwen3_moe)",
+            "model_type 'bert' is not supported (supported: llama, qwen2, mistral, gpt2, mixtral, qwen3, qwen3_moe, "
+            "qwen2_moe)",
         ),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "RoPE scaling 'yarn' is not supported"),
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),

@@ -33,6 +33,7 @@ class Family(StrEnum):
     mixtral = "mixtral"
     qwen3 = "qwen3"
     qwen3_moe = "qwen3_moe"
+    qwen2_moe = "qwen2_moe"
 
 
 class LoadBalancing(StrEnum):

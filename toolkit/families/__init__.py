@@ -10,9 +10,10 @@ from toolkit.families.base import Family
 from toolkit.families.gpt2 import GPT2
 from toolkit.families.llama import LLAMA, MISTRAL, QWEN2
 from toolkit.families.mixtral import MIXTRAL
+from toolkit.families.qwen2_moe import QWEN2_MOE
 from toolkit.families.qwen3 import QWEN3, QWEN3_MOE
 
-FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, QWEN2, MISTRAL, GPT2, MIXTRAL, QWEN3, QWEN3_MOE)}
+FAMILIES: dict[str, Family] = {f.name: f for f in (LLAMA, QWEN2, MISTRAL, GPT2, MIXTRAL, QWEN3, QWEN3_MOE, QWEN2_MOE)}
 
 
 def family_of(name: str) -> Family:

@@ -1,20 +1,27 @@
 """What the mixture-of-experts families share: their model.moe fields from config.json, and the
-names of one MoE layer's tensors on disk (router, each expert's gate/up/down projections), which
-the families map to megatron-core's MoELayer (router.weight; per expert linear_fc1 = [gate; up]
-and linear_fc2). Shared experts (Qwen2-MoE) have no family yet."""
+names of one MoE layer's tensors on disk (router, each expert's gate/up/down projections, a shared
+expert and its gate), which the families map to megatron-core's MoELayer (router.weight; per expert
+linear_fc1 = [gate; up] and linear_fc2; shared_experts.linear_fc1, linear_fc2 and gate_weight)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from toolkit.config.schema import ModelConfig
+from toolkit.config.schema import ModelConfig, moe_layer_pattern
 
 
 def moe_fields(
-    experts: int, topk: int, expert_ffn: int, norm_topk_prob: bool, aux_loss_coeff: float | None, dense_layers=()
+    experts: int,
+    topk: int,
+    expert_ffn: int,
+    norm_topk_prob: bool,
+    aux_loss_coeff: float | None,
+    dense_layers=(),
+    shared_expert_size: int | None = None,
 ) -> dict:
     """model.moe's fields (toolkit.config.schema.MoeConfig) that a transformers MoE config gives;
-    the others keep the schema's defaults (toolkit.families.hf_config.model_fields)."""
+    the others keep the schema's defaults (toolkit.families.hf_config.model_fields). A shared expert
+    is gated (Qwen2-MoE's sigmoid gate)."""
     fields = {
         "num_experts": experts,
         "router_topk": topk,
@@ -22,9 +29,24 @@ def moe_fields(
         "ffn_hidden_size": expert_ffn,
         "dense_layers": list(dense_layers),
     }
+    if shared_expert_size:
+        fields |= {"shared_expert_size": shared_expert_size, "shared_expert_gate": True}
     if aux_loss_coeff is not None:
         fields["aux_loss_coeff"] = float(aux_loss_coeff)
     return fields
+
+
+def qwen_dense_layers(c: dict) -> list[int]:
+    """The dense layers of a Qwen MoE config.json (Qwen2-MoE, Qwen3-MoE): those in mlp_only_layers
+    and those off every decoder_sparse_step-th (layer i is sparse when (i + 1) % step == 0)."""
+    only_dense, step = set(c.get("mlp_only_layers") or []), c.get("decoder_sparse_step", 1)
+    return [i for i in range(c["num_hidden_layers"]) if i in only_dense or (i + 1) % step]
+
+
+def dense_layer_list(m: ModelConfig) -> list[int]:
+    """Every dense layer of a model (the Qwen MoE configs' mlp_only_layers with decoder_sparse_step
+    1: any of megatron-core's layer patterns)."""
+    return [i for i, sparse in enumerate(moe_layer_pattern(m)) if not sparse]
 
 
 @dataclass(frozen=True)
@@ -36,10 +58,11 @@ class Unexpressed:
     why: str  # what the blocks do instead
 
 
-def routing_unexpressed(m: ModelConfig) -> dict[str, Unexpressed]:
-    """What transformers' Mixtral and Qwen MoE blocks (MixtralSparseMoeBlock, Qwen3MoeSparseMoeBlock)
-    do not express: their router ranks a softmax of its logits with no bias, every expert takes all
-    its tokens (dropless), and no expert is shared."""
+def routing_unexpressed(m: ModelConfig, gated_shared_expert: bool = False) -> dict[str, Unexpressed]:
+    """What transformers' Mixtral and Qwen MoE blocks (MixtralSparseMoeBlock, Qwen3MoeSparseMoeBlock,
+    Qwen2MoeSparseMoeBlock) do not express: their router ranks a softmax of its logits with no
+    bias, every expert takes all its tokens (dropless), and no expert is shared -- or, for
+    `gated_shared_expert` (Qwen2-MoE), one always is, behind a sigmoid gate."""
     moe, out = m.moe, {}
     if moe.score_function != "softmax":
         out["model.moe.score_function"] = Unexpressed(moe.score_function, "softmax", "rank a softmax of the logits")
@@ -47,7 +70,12 @@ def routing_unexpressed(m: ModelConfig) -> dict[str, Unexpressed]:
         out["model.moe.load_balancing"] = Unexpressed(moe.load_balancing, "aux_loss", "add no bias to the scores")
     if moe.capacity_factor is not None:
         out["model.moe.capacity_factor"] = Unexpressed(moe.capacity_factor, None, "drop no token")
-    if moe.shared_expert_size:
+    if gated_shared_expert:
+        if not moe.shared_expert_size:
+            out["model.moe.shared_expert_size"] = Unexpressed(None, "N", "always share an expert (of N FFN columns)")
+        if not moe.shared_expert_gate:
+            out["model.moe.shared_expert_gate"] = Unexpressed(False, True, "gate the shared expert (sigmoid)")
+    elif moe.shared_expert_size:
         out["model.moe.shared_expert_size"] = Unexpressed(moe.shared_expert_size, None, "share no expert")
     return out
 
@@ -68,9 +96,21 @@ class ExpertNames:
 
     router: str  # [experts, hidden]
     expert: str  # expert e's prefix, with {e}
-    gate: str  # the SwiGLU projections' module names under it
+    gate: str  # the SwiGLU projections' module names under it (and under `shared`)
     up: str
     down: str
+    shared: str | None = None  # the shared expert's prefix (Qwen2-MoE); None: no shared expert
+    shared_gate: str | None = None  # its gate's weight, [1, hidden]
+
+    def shared_names(self, prefix: str) -> dict[str, str]:
+        """megatron-core's shared-expert names (local spec, in a layer) -> the family's on disk;
+        linear_fc1 is [gate; up]."""
+        if self.shared is None:
+            return {}
+        return {
+            "mlp.shared_experts.linear_fc2.weight": f"{prefix}{self.shared}{self.down}.weight",
+            "mlp.shared_experts.gate_weight": prefix + self.shared_gate,
+        }
 
 
 # transformers' in-memory names of an MoE layer (its modules after from_pretrained: the experts fused
@@ -86,6 +126,10 @@ def experts_to_hf(src: dict, prefix: str, names: ExpertNames) -> dict:
     if "mlp.router.weight" not in src:
         return {}
     out = {prefix + names.router: src.pop("mlp.router.weight")}
+    if names.shared is not None:
+        gate, up = src.pop("mlp.shared_experts.linear_fc1.weight").chunk(2, dim=0)
+        out[f"{prefix}{names.shared}{names.gate}.weight"], out[f"{prefix}{names.shared}{names.up}.weight"] = gate, up
+        out.update({theirs: src.pop(ours) for ours, theirs in names.shared_names(prefix).items()})
     experts = sorted({int(k.split(".")[3]) for k in src if k.startswith("mlp.experts.local_experts.")})
     for e in experts:
         base = prefix + names.expert.format(e=e)
@@ -157,6 +201,12 @@ def expert_tensor(names: ExpertNames, key: str, prefix: str, expert: int | None,
 
     if key == "decoder.layers.mlp.router.weight":
         return hf.get(prefix + names.router)
+    if names.shared is not None and key.startswith("decoder.layers.mlp.shared_experts."):
+        if key.endswith("linear_fc1.weight"):
+            shared = prefix + names.shared
+            return torch.cat([hf.get(f"{shared}{names.gate}.weight"), hf.get(f"{shared}{names.up}.weight")])
+        found = names.shared_names(prefix).get(key[len("decoder.layers.") :])
+        return hf.get(found) if found else None
     if expert is None or ".mlp.experts." not in key:
         return None
     base = prefix + names.expert.format(e=expert)

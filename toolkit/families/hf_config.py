@@ -21,8 +21,14 @@ from toolkit.formats.hf_arch import (
 
 
 def hf_config(m: ModelConfig):
-    """The transformers PretrainedConfig of a configured model (its family's configuration class)."""
-    return family_of(m.family).hf_config(m)
+    """The transformers PretrainedConfig of a configured model (its family's configuration class).
+    A ValueError names what the family's transformers modules cannot express: their model would
+    be another one."""
+    family = family_of(m.family)
+    if unexpressed := family.unexpressed(m):
+        settings = "; ".join(f"{field}={u.value} (they {u.why})" for field, u in unexpressed.items())
+        raise ValueError(f"transformers' {m.family} modules cannot express {settings}")
+    return family.hf_config(m)
 
 
 def model_fields(path: str | os.PathLike | None) -> dict:

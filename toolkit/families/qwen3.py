@@ -9,8 +9,8 @@ mlp_only_layers and (i + 1) % decoder_sparse_step == 0; the dense ones have the 
 
 from __future__ import annotations
 
-from toolkit.config.schema import ModelConfig, moe_layer_pattern
-from toolkit.families.experts import ExpertNames, moe_fields, routing_unexpressed
+from toolkit.config.schema import ModelConfig
+from toolkit.families.experts import ExpertNames, dense_layer_list, moe_fields, qwen_dense_layers, routing_unexpressed
 from toolkit.families.llama import LlamaLike
 
 
@@ -33,16 +33,13 @@ class Qwen3Moe(Qwen3):
     )
 
     def _variant(self, c: dict, attention_bias: bool, window, path) -> dict:
-        layers, step = c["num_hidden_layers"], c.get("decoder_sparse_step", 1)
-        only_dense = set(c.get("mlp_only_layers") or [])
-        dense = [i for i in range(layers) if i in only_dense or (i + 1) % step]
         moe = moe_fields(
             c.get("num_local_experts", c.get("num_experts", 128)),  # saved under its attribute_map name
             c.get("num_experts_per_tok", 8),
             c["moe_intermediate_size"],
             bool(c.get("norm_topk_prob", False)),
             c.get("router_aux_loss_coef"),
-            dense,
+            qwen_dense_layers(c),
         )
         return {**super()._variant(c, attention_bias, window, path), "moe": moe}
 
@@ -61,8 +58,8 @@ class Qwen3Moe(Qwen3):
             moe_intermediate_size=m.moe.ffn_hidden_size or m.ffn_hidden_size,
             norm_topk_prob=m.moe.norm_topk_prob,
             router_aux_loss_coef=m.moe.aux_loss_coeff,
-            decoder_sparse_step=1,  # every layer sparse but those listed: any of megatron-core's patterns
-            mlp_only_layers=[i for i, sparse in enumerate(moe_layer_pattern(m)) if not sparse],
+            decoder_sparse_step=1,
+            mlp_only_layers=dense_layer_list(m),
         )
 
 

@@ -87,11 +87,13 @@ def _moe_option(asked: Callable[[Config], dict]) -> Callable[[Config, Backend], 
     return lambda cfg, be: asked(cfg) if is_moe(cfg.model) and be.moe else {}
 
 
+def _override_value(value) -> str:
+    """A value as a Hydra override writes it."""
+    return "null" if value is None else str(value).lower() if isinstance(value, bool) else str(value)
+
+
 def _express(cfg: Config, be: Backend, can: str) -> str:
-    settings = " and ".join(
-        f"{field}={'null' if u.expressed is None else str(u.expressed).lower()}"
-        for field, u in _unexpressed(cfg).items()
-    )
+    settings = " and ".join(f"{field}={_override_value(u.expressed)}" for field, u in _unexpressed(cfg).items())
     return f"set {settings}, or {can}"
 
 
