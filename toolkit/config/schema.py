@@ -419,6 +419,30 @@ class ZeroConfig:
 
 
 @dataclass
+class CommConfig:
+    """How the data-parallel gradients and parameters travel: the guide's remedies once data
+    parallel reaches its limit, hierarchical and compressed synchronisation. Each is one backend's
+    (the validator says which); precision.grad_reduce_in_fp32 chooses the reduction's dtype and
+    zero.overlap_comm whether it overlaps the compute."""
+
+    # megatron-core: the distributed optimizer shards its state over each of N groups of the
+    # dp x cp ranks (a node each, ideally) and keeps N replicas: gradients reduce-scatter inside a
+    # group and the shards all-reduce across the groups (num_distributed_optimizer_instances).
+    optimizer_instances: int = at_least_one(1)
+    # DeepSpeed ZeRO++ (Wang et al. 2023, "ZeRO++", arXiv 2306.10209), ZeRO-3 only. hpZ: a second copy
+    # of the parameters sharded over this many ranks (a node), whose all-gathers in the backward stay
+    # inside it (zero_hpz_partition_size); qwZ: the parameters all-gathered in int8
+    # (zero_quantized_weights); qgZ: the gradients reduce-scattered in int4, node first
+    # (zero_quantized_gradients).
+    hpz_partition_size: int = at_least_one(1)
+    quantized_weights: bool = False
+    quantized_gradients: bool = False
+    # megatron-core's gradient bucket (DistributedDataParallelConfig.bucket_size, elements); unset:
+    # megatron-core's max(40M, 1M x dp)
+    bucket_size: Optional[int] = at_least_one(None)
+
+
+@dataclass
 class PrecisionConfig:
     dtype: Dtype = Dtype.bf16  # conf/precision/auto.yaml (the default) takes cluster.default_dtype
     # fp16 needs loss scaling: dynamic (recommended), static (loss_scale), or none.
@@ -682,6 +706,7 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
+    comm: CommConfig = field(default_factory=CommConfig)
     precision: PrecisionConfig = field(default_factory=PrecisionConfig)
     recompute: RecomputeConfig = field(default_factory=RecomputeConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)

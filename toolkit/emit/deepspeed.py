@@ -37,6 +37,10 @@ def _zero_section(cfg: Config) -> dict:
             stage3_max_reuse_distance=1_000_000_000,  # DeepSpeed default
             # Save a consolidated 16-bit model with save_16bit_model, as HF exports expect.
             stage3_gather_16bit_weights_on_model_save=True,
+            # ZeRO++ (runtime/zero/config.py): hpZ, qwZ, qgZ
+            zero_hpz_partition_size=cfg.comm.hpz_partition_size,
+            zero_quantized_weights=cfg.comm.quantized_weights,
+            zero_quantized_gradients=cfg.comm.quantized_gradients,
         )
     for key, device in (("offload_optimizer", z.offload_optimizer), ("offload_param", z.offload_param)):
         if device != "none":

@@ -169,6 +169,9 @@ def _ddp(cfg: Config) -> dict:
         "overlap_grad_reduce": overlap,
         "overlap_param_gather": overlap and distributed,
         "use_distributed_optimizer": distributed,
+        # shard the optimizer inside comm.optimizer_instances groups of the dp x cp ranks, replicate across them
+        "num_distributed_optimizer_instances": cfg.comm.optimizer_instances,
+        "bucket_size": cfg.comm.bucket_size,
         # parakit's trainer checks loss and gradients on every rank together and stops or skips
         # (train.fault.nan_action); megatron-core's check raises inside the backward pass on the
         # ranks that hold the NaN only.

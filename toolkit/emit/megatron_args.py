@@ -86,6 +86,10 @@ def megatron_args(cfg: Config, layout: Layout, sections: dict) -> list[str]:
         args.append("--overlap-grad-reduce")
     if ddp["overlap_param_gather"]:
         args.append("--overlap-param-gather")
+    if ddp["num_distributed_optimizer_instances"] > 1:
+        args.append(f"--num-distributed-optimizer-instances {ddp['num_distributed_optimizer_instances']}")
+    if ddp["bucket_size"] is not None:
+        args.append(f"--ddp-bucket-size {ddp['bucket_size']}")
     if not mp["gradient_accumulation_fusion"]:
         args.append("--no-gradient-accumulation-fusion")
     if cfg.cluster.device == "cpu":

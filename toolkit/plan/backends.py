@@ -117,6 +117,8 @@ class Backend:
     # with the GEMMs); dp always
     parallel_dims: frozenset[str]
     moe: MoeSupport | None  # mixture-of-experts models (model.moe.num_experts); None: dense only
+    # the data-parallel traffic options (toolkit.config.schema.CommConfig fields) it honours
+    comm_options: frozenset[str]
     recompute: tuple[str, ...]  # recompute granularities
     precisions: tuple[str, ...]
     offload: bool  # ZeRO optimizer/parameter offload
@@ -177,6 +179,7 @@ MEGATRON = Backend(
     pipeline_zero_stages=(0, 1),
     parallel_dims=frozenset({"tp", "pp", "vpp", "cp", "sp", "tp_overlap", "ep", "etp"}),
     moe=MoeSupport(family_modules=False, grouped_gemm=True, pipeline=True),
+    comm_options=frozenset({"optimizer_instances", "bucket_size"}),  # DistributedDataParallelConfig
     recompute=("none", "selective", "full"),
     precisions=("fp32", "bf16", "fp16", "fp8"),
     offload=False,
@@ -227,6 +230,7 @@ DEEPSPEED = Backend(
     # the routers' logits would have to travel with the activations through DeepSpeed's
     # PipelineModule, which passes the hidden states only.
     moe=MoeSupport(family_modules=True, grouped_gemm=False, pipeline=False),
+    comm_options=frozenset({"hpz_partition_size", "quantized_weights", "quantized_gradients"}),  # ZeRO++
     recompute=("none", "full"),  # transformers models checkpoint whole layers
     precisions=("fp32", "bf16", "fp16"),
     offload=True,

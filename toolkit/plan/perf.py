@@ -66,6 +66,12 @@ ZERO3_OVERLAP = 0.5
 # A host (offloaded) Adam updates about 1e9 parameters per second per GPU (DeepSpeed CPU-Adam,
 # Ren et al. 2021, "ZeRO-Offload", Table 4 order of magnitude).
 HOST_ADAM_PARAMS_PER_S = 1e9
+# ZeRO++'s quantized collectives (Wang et al. 2023, arXiv 2306.10209), bytes per parameter on the
+# wire: qwZ all-gathers int8 weights (section 4.1; DeepSpeed runtime/zero/partition_parameters.py
+# CUDAQuantizer, one scale per group of up to 16k values), qgZ reduces int4 gradients (section 4.3;
+# runtime/comm/coalesced_collectives.py all_to_all_quant_reduce). The scales are left out.
+QUANTIZED_WEIGHT_BYTES = 1.0
+QUANTIZED_GRAD_BYTES = 0.5
 
 
 @dataclass(frozen=True)
@@ -345,14 +351,14 @@ def data_parallel_comm(
     """Exposed gradient (and parameter) traffic of a step among the dp x cp replicas (`group`: the
     size and stride of other replicas, the experts' expert-dp ranks), by the way the backend
     reduces: bucketed and overlapped (Megatron DDP), once after the backward (DeepSpeed ZeRO 0/1),
-    or every micro-batch (ZeRO-2/3)."""
-    c, nbytes = cfg.cluster, DTYPE_BYTES[cfg.precision.dtype]
+    or every micro-batch (ZeRO-2/3); and by the comm.* arrangement: hierarchical (optimizer
+    instances, hpZ) or quantized (qwZ, qgZ)."""
+    c, comm, nbytes = cfg.cluster, cfg.comm, DTYPE_BYTES[cfg.precision.dtype]
     shard, stride = group or (layout.dp * layout.cp, layout.dims.stride("cp"))  # the cp x dp ranks
     num_mb = layout.num_microbatches
-    bw = link_gbs(cfg, shard, stride)
 
-    def ring(nbytes_: float, factor: float) -> float:
-        return ring_time(nbytes_, shard, bw, factor, c.collective_latency_s)
+    def ring(nbytes_: float, factor: float, size: int = shard, step: int = stride) -> float:
+        return ring_time(nbytes_, size, link_gbs(cfg, size, step), factor, c.collective_latency_s)
 
     # Both backends reduce in fp32 with grad_reduce_in_fp32 (DeepSpeed's communication_data_type).
     grad_bytes = params * (4 if cfg.precision.dtype == "fp32" or cfg.precision.grad_reduce_in_fp32 else nbytes)
@@ -365,17 +371,41 @@ def data_parallel_comm(
     zero = backend.effective_zero(cfg.zero.stage)
     if backend.grad_reduce is GradReduce.OVERLAPPED_BUCKETS:
         if zero == 1:  # the distributed optimizer: reduce-scatter, then all-gather the updated params
-            reduce, gather = ring(grad_bytes, 1.0), ring(param_bytes, 1.0)
+            reduce = _instances_reduce(ring, grad_bytes, shard, stride, comm.optimizer_instances)
+            gather = ring(param_bytes, 1.0, shard // comm.optimizer_instances)
             return overlapped(reduce, backward_window) + overlapped(gather, forward_window)
         return overlapped(ring(grad_bytes, 2.0), backward_window)
     if zero <= 1:  # DeepSpeed reduces once per step after the last backward
         return ring(grad_bytes, 2.0 if zero == 0 else 1.0) + (ring(param_bytes, 1.0) if zero == 1 else 0.0)
-    # ZeRO-2/3 reduce-scatter every micro-batch, overlapped with backward (overlap_comm)
+    # ZeRO-2/3 reduce-scatter every micro-batch, overlapped with backward (overlap_comm); ZeRO++'s
+    # qgZ in int4 by two all-to-alls, inside each node and then across nodes of the node's shares
+    # (all_to_all_quant_reduce), so the network carries 1/gpus_per_node of them
+    reduce = ring(grad_bytes, 1.0)
+    if comm.quantized_gradients:
+        local = min(shard, c.gpus_per_node)
+        quantized = params * QUANTIZED_GRAD_BYTES
+        reduce = ring(quantized, 1.0, local, 1) + ring(quantized / local, 1.0, shard // local, local)
     if zero == 2:
-        return num_mb * overlapped(ring(grad_bytes, 1.0), backward_window) + ring(param_bytes, 1.0)
-    # ZeRO-3 gathers parameters for forward and backward of every micro-batch, on the same link
-    gathers = 2 * ring(param_bytes, 1.0)
-    return num_mb * overlapped(ring(grad_bytes, 1.0) + gathers, ZERO3_OVERLAP * per_microbatch * overlap)
+        return num_mb * overlapped(reduce, backward_window) + ring(param_bytes, 1.0)
+    # ZeRO-3 gathers parameters for forward and backward of every micro-batch, on the same link:
+    # qwZ in int8 (section 4.1: half of fp16's bytes), the backward's from hpZ's secondary partition
+    # inside its group of ranks where set (section 4.2)
+    gather_bytes = params * QUANTIZED_WEIGHT_BYTES if comm.quantized_weights else param_bytes
+    backward = ring(gather_bytes, 1.0, comm.hpz_partition_size, 1) if comm.hpz_partition_size > 1 else None
+    gathers = ring(gather_bytes, 1.0) + (ring(gather_bytes, 1.0) if backward is None else backward)
+    return num_mb * overlapped(reduce + gathers, ZERO3_OVERLAP * per_microbatch * overlap)
+
+
+def _instances_reduce(ring, grad_bytes: float, shard: int, stride: int, instances: int) -> float:
+    """The distributed optimizer's gradient reduction over `shard` ranks held as `instances` groups:
+    reduce-scatter inside a group, then the group's shards all-reduced across the instances
+    (megatron-core param_and_grad_buffer.py start_grad_sync, num_distributed_optimizer_instances);
+    one group: the plain reduce-scatter."""
+    inside = shard // instances
+    reduce = ring(grad_bytes, 1.0, inside, stride)
+    if instances > 1:
+        reduce += ring(grad_bytes / inside, 2.0, instances, inside * stride)
+    return reduce
 
 
 def optimizer_time(cfg: Config, shard_params: float, r: Rates) -> float:

@@ -14,6 +14,7 @@ from toolkit.plan.parallel_dims import DIMS, ParallelDims
 from toolkit.plan.params import model_params
 from toolkit.plan.perf import estimate_step
 from toolkit.plan.search import Candidate, decision_path, search
+from toolkit.plan.traffic import remedies, traffic_lines
 from toolkit.plan.validate import validate
 
 
@@ -66,6 +67,20 @@ def configured_estimate(cfg: Config) -> dict:
     return {
         "valid": True,
         "candidate": Candidate(cfg, layout, memory, step).describe(),
+        "traffic": {
+            "dp_comm_s": step.dp_comm,
+            "share": step.dp_comm / step.step_time,
+            "remedies": [
+                {
+                    "overrides": list(r.overrides),
+                    "what": r.what,
+                    "step_time_s": r.step_time,
+                    "memory_delta": r.memory_delta,
+                }
+                for r in remedies(cfg, layout, step)
+            ],
+        },
+        "traffic_lines": traffic_lines(cfg, layout, step),
         "fits": memory.total <= cfg.cluster.gpu_memory_gb * 1e9,
         "warnings": [str(w) for w in report.warnings],
         "packages": [p.install for p in report.packages],  # what the machines that train need
@@ -95,7 +110,7 @@ def _print_json(cfg, result, path, configured, ckpt, top) -> None:
         "seq_length": cfg.model.seq_length,
         "precision": cfg.precision.dtype,
         "backend": cfg.backend.name,
-        "configured": configured,
+        "configured": {k: v for k, v in configured.items() if k != "traffic_lines"},
         "decision_path": path,
         "layouts": [c.describe() for c in result.ranked[:top]],
         "search": {
@@ -128,6 +143,8 @@ def _print_text(cfg, result, path, configured, ckpt, top) -> None:
         print("  memory: " + ", ".join(f"{k} {v:.1f}" for k, v in d["memory_breakdown_gib"].items()) + " GiB")
         if configured["packages"]:
             print(f"  needs on the machines that train: {', '.join(configured['packages'])}")
+        for line in configured["traffic_lines"]:
+            print(f"  {line}")
     else:
         print("\nconfigured layout is not valid (the search below ignores it):")
         for error in configured["errors"]:

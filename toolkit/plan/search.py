@@ -19,7 +19,7 @@ import time
 from dataclasses import dataclass
 from typing import Callable
 
-from toolkit.config.schema import Config, is_moe, moe_layer_pattern
+from toolkit.config.schema import CommConfig, Config, is_moe, moe_layer_pattern
 from toolkit.plan.backends import backend_of
 from toolkit.plan.layout import Layout, resolve, stage_layer_counts, world_size
 from toolkit.plan.memory import GIB, MemoryEstimate, peak_memory
@@ -27,6 +27,7 @@ from toolkit.plan.parallel_dims import DIMS, ParallelDims
 from toolkit.plan.params import model_params, moe_layer_params
 from toolkit.plan.perf import StepEstimate, estimate_step
 from toolkit.plan.rules.base import divisors
+from toolkit.plan.traffic import remedies
 from toolkit.plan.validate import validate
 
 HEADROOM = 0.10  # keep 10% of device memory free for spikes the estimate does not see
@@ -92,7 +93,16 @@ class Candidate:
                 f"parallel.first_stage_layers={c.parallel.first_stage_layers}",
                 f"parallel.last_stage_layers={c.parallel.last_stage_layers}",
             ]
-        return out
+        return out + self.traffic_settings()
+
+    def traffic_settings(self) -> list[str]:
+        """The data-parallel traffic settings (comm.*) this candidate changes from their defaults."""
+        default = CommConfig()
+        return [
+            f"comm.{f.name}={getattr(self.cfg.comm, f.name)}".lower()
+            for f in dataclasses.fields(CommConfig)
+            if getattr(self.cfg.comm, f.name) != getattr(default, f.name)
+        ]
 
     def reason(self) -> str:
         lay, c, step = self.layout, self.cfg, self.step
@@ -122,7 +132,9 @@ class Candidate:
         saving = [s for s in saving if s]
         used = self.memory.total / (c.cluster.gpu_memory_gb * 1e9)
         tail = f"{used:.0%} of memory" + (f" with {' + '.join(saving)}" if saving else "")
-        comm = f"comm {step.comm_share:.0%}"
+        comm = f"comm {step.comm_share:.0%}" + (
+            f" with {' '.join(self.traffic_settings())}" if self.traffic_settings() else ""
+        )
         return "; ".join(parts + [tail, comm])
 
 
@@ -277,8 +289,33 @@ def search(cfg: Config) -> SearchResult:
         if memory.total <= capacity:
             fitting.append(candidate)
     # Rank by throughput in 1% buckets, the simpler layout first inside a bucket.
-    fitting.sort(key=lambda c: (-math.floor(math.log(c.step.tokens_per_s) / math.log(1.01)), c.complexity))
-    return SearchResult(fitting, considered, valid, len(fitting), time.perf_counter() - start, smallest)
+    fitting.sort(key=_rank)
+    fits = len(fitting)
+    fitting = sorted(fitting + _with_traffic_settings(fitting[:TRAFFIC_TRIED], capacity), key=_rank)
+    return SearchResult(fitting, considered, valid, fits, time.perf_counter() - start, smallest)
+
+
+def _rank(c: Candidate) -> tuple:
+    return -math.floor(math.log(c.step.tokens_per_s) / math.log(1.01)), c.complexity
+
+
+# The leading layouts are tried again with each data-parallel traffic setting (comm.*) that changes
+# no number the training computes (hierarchical arrangements; not the quantized or 16-bit
+# reductions, which `parakit plan` offers for the configured layout instead).
+TRAFFIC_TRIED = 10
+
+
+def _with_traffic_settings(leading: list[Candidate], capacity: float) -> list[Candidate]:
+    out = []
+    for c in leading:
+        for remedy in remedies(c.cfg, c.layout, c.step, same_numerics=True):
+            if all(o.startswith("comm.") for o in remedy.overrides):
+                layout = resolve(remedy.cfg)
+                memory = peak_memory(remedy.cfg, layout)
+                if memory.total <= capacity:
+                    out.append(Candidate(remedy.cfg, layout, memory, estimate_step(remedy.cfg, layout)))
+                    break
+    return out
 
 
 def decision_path(cfg: Config, result: SearchResult) -> list[str]:

@@ -24,6 +24,7 @@ from toolkit.plan.layout import Layout, resolve
 from toolkit.plan.rules import (
     batch,
     capabilities,
+    comm,
     experts,
     model,
     parallel,
@@ -88,6 +89,8 @@ _ERROR_RULES: tuple[Callable[[Config], Iterator[Violation]], ...] = (
     batch.split,
     capabilities.backend,
     zero.offload,
+    comm.instances,
+    comm.zeropp,
     precision.dtype,
     training.recompute,
     training.optim,
@@ -143,6 +146,7 @@ def validate(
         warnings += [v for v in found if v.severity != ERROR]
     if not errors:
         warnings += list(experts.etp_default(cfg))
+        warnings += list(comm.costly(cfg))
         warnings += list(slow.slow_layouts(cfg, resolve(cfg)))
     return Report(tuple(errors), tuple(warnings), packages)
 

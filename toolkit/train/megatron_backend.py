@@ -232,7 +232,9 @@ class MegatronSteps:
 
         self.cfg, self.layout = cfg, layout
         _init_distributed(layout)
-        parallel_state.initialize_model_parallel(**megatron_degrees(layout))
+        parallel_state.initialize_model_parallel(
+            **megatron_degrees(layout), num_distributed_optimizer_instances=cfg.comm.optimizer_instances
+        )
         _seed(cfg.train.seed)
         sections = megatron_sections(cfg, layout)
         config, optimizer_config, ddp_config = build_megatron_configs(sections)

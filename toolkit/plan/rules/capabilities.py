@@ -5,10 +5,10 @@ it can, the message, and a fix that lists the backends that can."""
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Callable, Iterator
 
-from toolkit.config.schema import Config, is_moe
+from toolkit.config.schema import CommConfig, Config, is_moe
 from toolkit.families import family_of
 from toolkit.plan.backends import Backend, backend_of, supporting
 from toolkit.plan.rules.base import Violation, err, listing, others
@@ -68,6 +68,16 @@ def _offload(cfg: Config, be: Backend) -> dict:
 def _set_rope(cfg: Config, be: Backend, can: str) -> str:
     settings = " and ".join(f"model.rope_scaling.{k}={v:g}" for k, v in _unapplied(cfg, be).items())
     return f"set {settings}, or {can}"
+
+
+def _comm(cfg: Config, be: Backend | None = None) -> dict:
+    """The comm.* options set otherwise than their defaults."""
+    default = CommConfig()
+    return {
+        f"comm.{f.name}": getattr(cfg.comm, f.name)
+        for f in fields(CommConfig)
+        if getattr(cfg.comm, f.name) != getattr(default, f.name)
+    }
 
 
 def _moe(cfg: Config, be: Backend) -> dict:
@@ -252,6 +262,20 @@ CAPABILITIES: tuple[Capability, ...] = (
         lambda be, cfg: be.offload,
         lambda cfg, be: "offload is a DeepSpeed ZeRO feature here",
         lambda cfg, be, can: f"use {can}, or zero.offload_*=none",
+    ),
+    Capability(
+        "comm_backend",
+        _comm,
+        lambda be, cfg: {name.removeprefix("comm.") for name in _comm(cfg)} <= be.comm_options,
+        lambda cfg, be: (
+            f"the {be.name} backend's data-parallel traffic has only "
+            + listing(sorted(f"comm.{o}" for o in be.comm_options))
+            + " of these options"
+        ),
+        lambda cfg, be, can: (
+            f"leave {listing([k for k in _comm(cfg) if k.removeprefix('comm.') not in be.comm_options])} at their "
+            "defaults" + (f", or use {can}" if can else "")
+        ),
     ),
     Capability(
         "async_save_backend",
