@@ -8,6 +8,7 @@ import dataclasses
 import re
 
 import pytest
+import test_comm_validate
 import test_experts_validate
 import test_validate
 
@@ -53,9 +54,9 @@ def test_a_value_outside_a_fields_bounds_is_refused_by_name(compose, path, bound
 
 
 def test_every_capability_has_a_reject_case():
-    cased = {rule for rule, *_ in test_validate.ERROR_CASES + test_experts_validate.CASES} | {
-        rule for rule, *_ in CASES
-    }
+    cased = {
+        rule for rule, *_ in test_validate.ERROR_CASES + test_experts_validate.CASES + test_comm_validate.CASES
+    } | {rule for rule, *_ in CASES}
     cased.add("hf_path_backend")  # no backend lacks it: the last test here gives one a description without
     cased.add("moe_backend")  # neither: test_experts_validate gives one a description without experts
     for capability in capabilities.CAPABILITIES:

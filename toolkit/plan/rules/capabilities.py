@@ -80,6 +80,10 @@ def _comm(cfg: Config, be: Backend | None = None) -> dict:
     }
 
 
+def _leave_default(names: list[str]) -> str:
+    return f"leave {listing(names)} at {'its default' if len(names) == 1 else 'their defaults'}"
+
+
 def _moe(cfg: Config, be: Backend) -> dict:
     return {"model.moe.num_experts": cfg.model.moe.num_experts} if is_moe(cfg.model) else {}
 
@@ -273,8 +277,8 @@ CAPABILITIES: tuple[Capability, ...] = (
             + " of these options"
         ),
         lambda cfg, be, can: (
-            f"leave {listing([k for k in _comm(cfg) if k.removeprefix('comm.') not in be.comm_options])} at their "
-            "defaults" + (f", or use {can}" if can else "")
+            _leave_default([k for k in _comm(cfg) if k.removeprefix("comm.") not in be.comm_options])
+            + (f", or use {can}" if can else "")
         ),
     ),
     Capability(

@@ -1,0 +1,116 @@
+"""The validator's rules on the data-parallel traffic options (toolkit.plan.rules.comm, and the
+comm_backend capability): each rejects a case naming the field and a fix and accepts its
+neighbour; the warnings say when a setting costs and saves nothing. The base is the tiny model."""
+
+import pytest
+
+from toolkit.plan.validate import validate
+
+FOUR = "cluster.gpus_per_node=4"
+TWO_NODES = ["cluster.gpus_per_node=2", "cluster.nodes=2"]  # 4 ranks as 2 nodes of 2
+DS3 = ["backend=deepspeed", "zero=3"]
+GPU = ["cluster=h100_cluster", "model=llama3_8b", "precision=bf16", "train.global_batch=512"]
+
+# rule, overrides it rejects, neighbouring overrides it accepts, a field the message must name
+CASES = [
+    (
+        "comm_instances_zero",
+        [FOUR, "comm.optimizer_instances=2", "zero=0"],
+        [FOUR, "comm.optimizer_instances=2", "zero=1"],
+        "comm.optimizer_instances",
+    ),
+    (
+        "comm_instances_divide",
+        [FOUR, "comm.optimizer_instances=3"],
+        [FOUR, "comm.optimizer_instances=4"],
+        "comm.optimizer_instances",
+    ),
+    # tp=2 leaves dp=2 of the 4 ranks: 4 instances do not divide them
+    (
+        "comm_instances_divide",
+        [FOUR, "parallel.tp=2", "comm.optimizer_instances=4"],
+        [FOUR, "parallel.tp=2", "comm.optimizer_instances=2"],
+        "comm.optimizer_instances",
+    ),
+    (
+        "comm_zeropp_zero",
+        [FOUR, "backend=deepspeed", "zero=2", "comm.hpz_partition_size=2"],
+        [FOUR, *DS3, "comm.hpz_partition_size=2"],
+        "comm.hpz_partition_size",
+    ),
+    (
+        "comm_hpz_divide",
+        [FOUR, *DS3, "comm.hpz_partition_size=3"],
+        [FOUR, *DS3, "comm.hpz_partition_size=4"],
+        "comm.hpz_partition_size",
+    ),
+    (
+        "comm_quantized_device",
+        [FOUR, *DS3, "comm.quantized_gradients=true"],
+        [*GPU, *DS3, "comm.quantized_gradients=true"],
+        "comm.quantized_gradients",
+    ),
+    (
+        "comm_quantized_device",
+        [FOUR, *DS3, "comm.quantized_weights=true"],
+        [FOUR, *DS3],
+        "comm.quantized_weights",
+    ),
+    (
+        "comm_backend",
+        [FOUR, "backend=deepspeed", "comm.optimizer_instances=2"],
+        [FOUR, "comm.optimizer_instances=2"],
+        "comm.optimizer_instances",
+    ),
+    (
+        "comm_backend",
+        [FOUR, "comm.hpz_partition_size=2"],
+        [FOUR, *DS3, "comm.hpz_partition_size=2"],
+        "comm.hpz_partition_size",
+    ),
+    (
+        "comm_backend",
+        [FOUR, "backend=deepspeed", "comm.bucket_size=1000"],
+        [FOUR, "comm.bucket_size=1000"],
+        "comm.bucket_size",
+    ),
+    ("range", [FOUR, "comm.optimizer_instances=0"], [FOUR, "comm.optimizer_instances=1"], "comm.optimizer_instances"),
+]
+
+
+@pytest.mark.parametrize("rule,bad,good,field", CASES, ids=[f"{c[0]}-{i}" for i, c in enumerate(CASES)])
+def test_a_traffic_rule_rejects_with_its_field_and_fix_and_accepts_the_neighbour(compose, rule, bad, good, field):
+    hits = [v for v in validate(compose(*bad)).errors if v.rule == rule]
+    assert hits, validate(compose(*bad))
+    assert field in str(hits[0]) and hits[0].fix
+    assert not [v for v in validate(compose(*good)).errors if v.rule == rule], validate(compose(*good))
+
+
+def test_the_fix_of_a_wrong_backend_names_the_one_that_has_the_option(compose):
+    (hit,) = [v for v in validate(compose(FOUR, "backend=deepspeed", "comm.optimizer_instances=2")).errors]
+    assert (
+        hit.rule == "comm_backend"
+        and hit.fix == "leave comm.optimizer_instances at its default, or use backend=megatron"
+    )
+
+
+def test_instances_that_span_nodes_are_warned_about(compose):
+    """4 data-parallel ranks on 2 nodes of 2: 2 instances are a node each (quiet). 8 ranks on 4
+    nodes of 2 in 2 instances: each instance's 4 ranks cross the network."""
+    assert not validate(compose(*TWO_NODES, "comm.optimizer_instances=2")).warnings
+    cfg = compose("cluster.gpus_per_node=2", "cluster.nodes=4", "comm.optimizer_instances=2")  # 8 ranks, 4 each
+    (warning,) = [v for v in validate(cfg).warnings if v.rule == "comm_instances_span_nodes"]
+    assert "spans 4 ranks, more than a node's 2" in warning.message and "{4, 8}" in warning.fix
+
+
+def test_hpz_on_one_node_or_across_nodes_is_warned_about(compose):
+    one_node = [v.rule for v in validate(compose(FOUR, *DS3, "comm.hpz_partition_size=2")).warnings]
+    assert "comm_hpz_no_gain" in one_node
+    across = validate(compose(*TWO_NODES, *DS3, "comm.hpz_partition_size=4")).warnings
+    (warning,) = [v for v in across if v.rule == "comm_hpz_no_gain"]
+    assert "spans nodes of 2" in warning.message and "comm.hpz_partition_size=2" in warning.fix
+    assert not [
+        v
+        for v in validate(compose(*TWO_NODES, *DS3, "comm.hpz_partition_size=2")).warnings
+        if v.rule == "comm_hpz_no_gain"
+    ]
