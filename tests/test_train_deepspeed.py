@@ -60,6 +60,9 @@ VARIANTS = {
     "zero2_offload_dp2": ["zero=2_offload"],
     "zero3_offload_dp2": ["zero=3_offload"],
     "pipeline_pp2": ["parallel.pp=2", "zero=1"],
+    # ZeRO++ hpZ: a second copy of the parameters sharded over groups of 2 of the 4 ranks, the
+    # backward's all-gathers from it
+    "zero3_hpz2_dp4": ["zero=3", "comm.hpz_partition_size=2", "cluster.gpus_per_node=4"],
 }
 
 
@@ -105,6 +108,15 @@ def test_export_loads_and_generates_with_the_trained_weights(tmp_path, reference
     model = hf_export.loaded(hf_export.export(run.run_dir, tmp_path / "hf"))
     assert_same_parameters(run.parameters, model.state_dict(), 0.0)
     assert_same_parameters(reference.parameters, model.state_dict(), TOLERANCE.parameters)
+
+
+@pytest.mark.mutation
+def test_hpz_parity_catches_a_secondary_partition_never_refreshed(tmp_path, reference):
+    """hpZ's second copy of the parameters kept from the first step: the backward computes with
+    stale weights from step 2 on."""
+    got = trained(tmp_path, "stale", *COMMON, *VARIANTS["zero3_hpz2_dp4"], mutation="hpz_stale")
+    with pytest.raises(AssertionError, match="grad norm|loss|final parameters"):
+        assert_same_training(reference, got, TOLERANCE)
 
 
 @pytest.mark.mutation

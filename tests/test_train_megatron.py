@@ -8,8 +8,10 @@ eight accumulated. bf16 and the README demo learn on the real corpus; the demo's
 pp2 vpp2) exported to transformers reproduces its loss; a wrong layout never starts a process.
 Context parallel (each rank two of every sequence's 2*cp chunks) and sequence parallel (torch
 norms whose gradients megatron-core sums over tp) run here without Transformer Engine.
-Mutations: doubled gradients, every cp rank fed the whole sequence, and sequence-parallel norm
-gradients left unsummed are caught."""
+Two distributed-optimizer instances (comm.optimizer_instances: a reduce-scatter inside each, an
+all-reduce across) train the same curve. Mutations: doubled gradients, every cp rank fed the whole
+sequence, sequence-parallel norm gradients left unsummed, and gradients not all-reduced across the
+optimizer instances are caught."""
 
 import json
 import subprocess
@@ -88,6 +90,9 @@ LAYOUTS = {
     # distributed optimizer's all-gather overlaps the next forward (overlap_param_gather, on CPU
     # too): saved without gathering first, the final parameters were 6e-5 RMS off (measured)
     "dp2_distributed_optimizer_no_accumulation": ["cluster.gpus_per_node=2", "zero=1", "train.micro_batch=4"],
+    # two distributed-optimizer instances of 2 ranks (comm.optimizer_instances): gradients
+    # reduce-scattered inside an instance, the shards all-reduced across the two
+    "dp4_two_optimizer_instances": ["cluster.gpus_per_node=4", "train.micro_batch=2", "comm.optimizer_instances=2"],
 }
 
 
@@ -101,6 +106,16 @@ def test_layout_reproduces_single_process_training(tmp_path, reference, layout):
     assert got.result["kernels"]["attention"].endswith(f".{attention}"), got.result["kernels"]
     assert got.result["kernels"]["adam"] == "torch.optim.adamw.AdamW"  # no apex or TE here
     assert_stage_times(got, next((int(o[len("parallel.pp=") :]) for o in LAYOUTS[layout] if "pp=" in o), 1))
+
+
+@pytest.mark.mutation
+def test_parity_catches_gradients_not_reduced_across_optimizer_instances(tmp_path, reference):
+    """Each instance keeps its own ranks' gradients: the update follows half the batch."""
+    run, init = reference
+    layout = LAYOUTS["dp4_two_optimizer_instances"]
+    got = trained(tmp_path, "split", *COMMON, *layout, f"train.init_checkpoint={init}", mutation="instances_unreduced")
+    with pytest.raises(AssertionError, match="grad norm|loss"):
+        assert_same_training(run, got, TOLERANCE)
 
 
 @pytest.mark.mutation

@@ -173,6 +173,38 @@ def expert_grads_unreduced():
     _when_megatron_builds(patch)
 
 
+def instances_unreduced():
+    """With several distributed-optimizer instances, the all-reduce across them is skipped: each
+    instance updates with its own ranks' gradients (megatron backend)."""
+
+    def patch():
+        import torch
+        from megatron.core.distributed.distributed_data_parallel import DistributedDataParallel
+
+        init = DistributedDataParallel.__init__
+
+        def unreduced(self, *args, **kwargs):
+            init(self, *args, **kwargs)
+            # every rank alone: the all-reduce across instances reduces nothing (new_group is
+            # collective, so every rank creates every group)
+            world = torch.distributed.get_world_size()
+            alone = [torch.distributed.new_group([r]) for r in range(world)][torch.distributed.get_rank()]
+            for bucket_group in self.bucket_groups:
+                bucket_group.inter_distributed_optimizer_instance_group = alone
+
+        DistributedDataParallel.__init__ = unreduced
+
+    _when_megatron_builds(patch)
+
+
+def hpz_stale():
+    """ZeRO++ hpZ's secondary partition is never refreshed after an optimizer step: the backward
+    gathers the parameters of the first step (deepspeed backend)."""
+    from deepspeed.runtime.zero.stage3 import DeepSpeedZeroOptimizer_Stage3
+
+    DeepSpeedZeroOptimizer_Stage3.invalidate_secondary_tensor = lambda self: None
+
+
 def router_losses_dropped():
     """The deepspeed backend logs the routers' losses but leaves them out of what it trains."""
     from toolkit.train import router_losses
@@ -222,6 +254,8 @@ MUTATIONS = {
         expert_grads_unreduced,
         router_losses_dropped,
         router_losses_as_transformers,
+        instances_unreduced,
+        hpz_stale,
     )
 }
 
