@@ -266,6 +266,19 @@ def plausible_overrides(draw):
             layers = draw(st.integers(1, min(chunks)))
         out += [f"recompute.method={method}", f"recompute.num_layers={layers}"]
 
+    # Data-parallel traffic: megatron's optimizer instances over the dp x cp ranks (distributed
+    # optimizer) and its bucket; DeepSpeed's ZeRO++ at ZeRO-3 (hpZ dividing the world, the quantized
+    # collectives on CUDA only).
+    if megatron and zero == "1" and draw(st.booleans()):
+        out.append(f"comm.optimizer_instances={draw(st.sampled_from(_divisors(dp * cp)))}")
+    if megatron and draw(st.integers(0, 3)) == 3:
+        out.append(f"comm.bucket_size={draw(st.sampled_from([1_000_000, 40_000_000]))}")
+    if not megatron and zero.startswith("3") and draw(st.booleans()):
+        out.append(f"comm.hpz_partition_size={draw(st.sampled_from(_divisors(world)))}")
+        if cuda:
+            out.append(f"comm.quantized_weights={str(draw(st.booleans())).lower()}")
+            out.append(f"comm.quantized_gradients={str(draw(st.booleans())).lower()}")
+
     # Length and learning rate.
     if draw(st.booleans()):
         out.append(f"train.steps={draw(st.sampled_from([100, 20, 1000]))}")
