@@ -113,3 +113,35 @@ def costly(cfg: Config) -> Iterator[Violation]:
             "and saves no network traffic",
             f"use comm.hpz_partition_size={min(per_node, world)} on several nodes, or 1",
         )
+    yield from _compression(cfg)
+
+
+# Below this share of the step a compressed collective saves too little to be worth changing the
+# numbers the training computes (int8 weights, int4 gradients) for.
+COMPRESSION_WORTH = 0.03
+
+
+def _compression(cfg: Config) -> Iterator[Violation]:
+    """A warning: quantized collectives where the data-parallel traffic is a small share of the step."""
+    c = cfg.comm
+    asked = {f"comm.{k}": True for k in ("quantized_weights", "quantized_gradients") if getattr(c, k)}
+    if not asked:
+        return
+    import dataclasses
+
+    from toolkit.plan.layout import resolve
+    from toolkit.plan.perf import estimate_step
+
+    plain = dataclasses.replace(cfg, comm=dataclasses.replace(c, quantized_weights=False, quantized_gradients=False))
+    layout = resolve(cfg)
+    without, with_ = estimate_step(plain, layout), estimate_step(cfg, layout)
+    saving = 1 - with_.step_time / without.step_time
+    if saving < COMPRESSION_WORTH:
+        yield warn(
+            "comm_compression_small",
+            asked,
+            f"the data-parallel traffic is {without.dp_comm / without.step_time:.0%} of the step here: the quantized "
+            f"collectives would save {saving:.1%} of it (the planner's figure) while changing the numbers trained "
+            "(int8 weights, int4 gradients)",
+            " and ".join(f"set {k}=false" for k in asked),
+        )
