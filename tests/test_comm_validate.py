@@ -128,3 +128,35 @@ def test_quantized_collectives_where_traffic_is_small_are_warned_about(compose):
     assert not [
         v for v in validate(compose(*zero3, "cluster=h100_cluster", qgz)).warnings if v.rule == "comm_compression_small"
     ]
+
+
+def test_each_option_reaches_its_upstream_setting(compose):
+    """What the options emit, read back by the upstream classes: megatron-core's
+    DistributedDataParallelConfig and Megatron-LM's flags; DeepSpeed's ZeRO config."""
+    from upstream import deepspeed_accepts, megatron_accepts
+
+    from toolkit.emit.deepspeed import deepspeed_config
+    from toolkit.emit.megatron import megatron_sections
+    from toolkit.emit.megatron_args import megatron_args
+    from toolkit.plan.layout import resolve
+
+    cfg = compose(FOUR, "comm.optimizer_instances=2", "comm.bucket_size=1000000")
+    layout = resolve(cfg)
+    sections = megatron_sections(cfg, layout)
+    _, _, ddp = megatron_accepts(sections)
+    assert (ddp.num_distributed_optimizer_instances, ddp.bucket_size) == (2, 1_000_000)
+    args = " ".join(megatron_args(cfg, layout, sections))
+    assert "--num-distributed-optimizer-instances 2" in args and "--ddp-bucket-size 1000000" in args
+    cfg = compose(
+        *GPU, *DS3, "comm.hpz_partition_size=8", "comm.quantized_weights=true", "comm.quantized_gradients=true"
+    )
+    layout = resolve(cfg)
+    zero = deepspeed_accepts(deepspeed_config(cfg, layout), dp=layout.dp).zero_config
+    assert (zero.zero_hpz_partition_size, zero.zero_quantized_weights, zero.zero_quantized_gradients) == (8, True, True)
+    plain = compose(FOUR, *DS3)
+    zero = deepspeed_accepts(deepspeed_config(plain, resolve(plain)), dp=4).zero_config
+    assert (zero.zero_hpz_partition_size, zero.zero_quantized_weights, zero.zero_quantized_gradients) == (
+        1,
+        False,
+        False,
+    )

@@ -9,7 +9,11 @@ projections swapped, the final norm dropped, another RoPE base -- is caught by t
 moved the first loss by only 8e-6 to 4e-5, which is why the first loss alone proved little);
 weight decay on the norms (what megatron-core leaves out) is caught by the curves; two experts
 trading weights by the logits; the routers' losses left out of the objective, or transformers'
-pooled load-balancing loss instead of megatron-core's, by the curves."""
+pooled load-balancing loss instead of megatron-core's, by the curves.
+
+In bf16 on 2 ranks the gradient reduction's dtype (fp32 or bf16) moves each backend's curve by no
+more than bf16 rounding explains, and the backends agree at either; a backend that ignores the
+setting is caught."""
 
 import json
 import subprocess
@@ -81,7 +85,8 @@ def megatron_and_converted(tmp: Path, base: list[str]) -> dict:
         timeout=300,
     )
     assert logits.returncode == 0, logits.stderr[-3000:]
-    return {"megatron": megatron, "hf": hf, "logits": json.loads(logits.stdout.strip().splitlines()[-1])}
+    logits = json.loads(logits.stdout.strip().splitlines()[-1])
+    return {"megatron": megatron, "init": init, "hf": hf, "logits": logits}
 
 
 @pytest.fixture(scope="module")
@@ -201,3 +206,81 @@ def test_curves_catch_other_router_losses(tmp_path, moe_runs, defect):
     other = trained(tmp_path, defect, *mutant, mutation=defect)
     with pytest.raises(AssertionError, match="loss"):
         assert_same_curve(moe_runs["megatron"].records, other.records, 3, MOE_TOLERANCE, ROUTER)
+
+
+# The gradient reduction's dtype (precision.grad_reduce_in_fp32) in bf16 training on 2 ranks, both
+# backends from the same weights. A CPU run repeats bit for bit, so a curve that differs from the
+# fp32 reduction's shows the setting took effect.
+BF16 = [{"precision=fp32": "precision=bf16", "train.steps=10": "train.steps=6"}.get(o, o) for o in BASE] + [
+    "cluster.gpus_per_node=2"
+]
+# bf16 kernels of the two backends round differently from the first forward on (measured: 2.6e-5 at
+# step 1, at most 1.3e-4 over 6 steps at either setting): defects smaller than that are the fp32
+# comparison's above to catch; this one asks that the bf16 runs agree as well as bf16 allows.
+BF16_ACROSS_BACKENDS = 5e-4
+# bf16 keeps 8 significant bits: one rounding of the reduced gradients changes each by at most 2^-9
+# of itself, and Adam's update (the gradient over its running magnitude) by about as much: lr * 2^-9
+# per parameter and step, so the loss by at most lr * 2^-9 * sum|grad| <= lr * 2^-9 * sqrt(N) * |grad|
+# per step (Cauchy-Schwarz), added up over the steps.
+BF16_ROUNDING = 2.0**-9
+
+
+@pytest.fixture(scope="module")
+def reduce_dtypes(runs, tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("reduce_dtypes")
+    start = {
+        "megatron": [f"train.init_checkpoint={runs['init']}"],
+        "deepspeed": ["backend=deepspeed", f"model.hf_path={runs['hf']}"],
+    }
+    return {
+        (backend, fp32): trained(
+            tmp, f"{backend}_{fp32}", *BF16, *start[backend], f"precision.grad_reduce_in_fp32={fp32}"
+        )
+        for backend in start
+        for fp32 in ("true", "false")
+    }
+
+
+def rounding_bounds(records: list, parameters: int) -> list[float]:
+    """The loss difference at each step that one bf16 rounding of the reduced gradients explains,
+    from the run's own learning rates and gradient norms (the steps before it)."""
+    bounds, total = [], 0.0
+    for r in records:
+        bounds.append(total)
+        total += r["lr"] * BF16_ROUNDING * parameters**0.5 * r["grad_norm"]
+    return bounds
+
+
+def assert_reduction_dtype_shows(fp32, bf16) -> None:
+    from toolkit.config.store import load_run_config
+    from toolkit.plan.params import model_params
+
+    differences = [abs(a["loss"] - b["loss"]) for a, b in zip(fp32.records, bf16.records)]
+    assert any(differences), "the 16-bit reduction left the curve bit for bit the fp32 reduction's"
+    bounds = rounding_bounds(fp32.records, model_params(load_run_config(fp32.run_dir).model))
+    assert all(d <= b for d, b in zip(differences, bounds)), list(zip(differences, bounds))
+
+
+@pytest.mark.parametrize("backend", ["megatron", "deepspeed"])
+def test_a_16_bit_reduction_moves_the_curve_by_what_bf16_rounding_explains(reduce_dtypes, backend):
+    assert_reduction_dtype_shows(reduce_dtypes[(backend, "true")], reduce_dtypes[(backend, "false")])
+
+
+@pytest.mark.parametrize("fp32", ["true", "false"])
+def test_both_backends_agree_at_each_reduction_dtype(reduce_dtypes, fp32):
+    megatron, deepspeed = reduce_dtypes[("megatron", fp32)].records, reduce_dtypes[("deepspeed", fp32)].records
+    assert [r["lr"] for r in megatron] == [r["lr"] for r in deepspeed]
+    for m, d in zip(megatron, deepspeed):
+        assert d["loss"] == pytest.approx(m["loss"], abs=BF16_ACROSS_BACKENDS), (m["step"], d["loss"], m["loss"])
+
+
+@pytest.mark.mutation
+def test_a_reduction_dtype_left_unapplied_is_caught(tmp_path, runs, reduce_dtypes):
+    """The deepspeed backend emitting the fp32 reduction whatever the setting: its bf16-reduction
+    run repeats the fp32 one bit for bit."""
+    start = ["backend=deepspeed", f"model.hf_path={runs['hf']}"]
+    ignored = trained(
+        tmp_path, "ignored", *BF16, *start, "precision.grad_reduce_in_fp32=false", mutation="fp32_reduction_always"
+    )
+    with pytest.raises(AssertionError, match="bit for bit"):
+        assert_reduction_dtype_shows(reduce_dtypes[("deepspeed", "true")], ignored)

@@ -205,6 +205,20 @@ def hpz_stale():
     DeepSpeedZeroOptimizer_Stage3.invalidate_secondary_tensor = lambda self: None
 
 
+def fp32_reduction_always():
+    """The deepspeed backend reduces gradients in fp32 whatever precision.grad_reduce_in_fp32 says."""
+    import dataclasses
+
+    from toolkit.emit import deepspeed
+
+    dtypes = deepspeed._gradient_dtypes
+
+    def always_fp32(cfg):
+        return dtypes(dataclasses.replace(cfg, precision=dataclasses.replace(cfg.precision, grad_reduce_in_fp32=True)))
+
+    deepspeed._gradient_dtypes = always_fp32
+
+
 def router_losses_dropped():
     """The deepspeed backend logs the routers' losses but leaves them out of what it trains."""
     from toolkit.train import router_losses
@@ -256,6 +270,7 @@ MUTATIONS = {
         router_losses_as_transformers,
         instances_unreduced,
         hpz_stale,
+        fp32_reduction_always,
     )
 }
 
