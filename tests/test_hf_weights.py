@@ -28,9 +28,17 @@ LAYOUTS = [(1, 1, 1), (2, 1, 1), (2, 2, 1), (2, 2, 2)]  # (tp, pp, vpp) on 4 ran
 # (tp, pp, vpp, ep): the experts split 2 or 4 ways, with tensor parallel (etp following it) or pipeline
 MOE_LAYOUTS = [(2, 1, 1, 2), (1, 2, 2, 2), (1, 1, 1, 4)]
 MOE_FAMILIES = ("mixtral", "qwen3_moe", "qwen2_moe")
-# Qwen3 differs from Llama by its QK norms only: split by tp, and by pp x vpp (the launch's time);
-# Qwen2-MoE from Qwen3-MoE by its shared expert (split by tp) and q/k/v biases
-FEWER_LAYOUTS = {"qwen3": [(2, 1, 1, 1), (2, 2, 2, 1)], "qwen2_moe": [(2, 1, 1, 2), (1, 2, 2, 2)]}
+# Llama runs every layout; the other dense families map the same tensors but for their biases,
+# norms, positions or QK norms, so each is split by tp and by tp x pp x vpp only (the launch's time);
+# Qwen2-MoE differs from Qwen3-MoE by its shared expert (split by tp) and q/k/v biases
+SPLIT = [(2, 1, 1, 1), (2, 2, 2, 1)]
+FEWER_LAYOUTS = {
+    "qwen2": SPLIT,
+    "mistral": SPLIT,
+    "gpt2": SPLIT,
+    "qwen3": SPLIT,
+    "qwen2_moe": [(2, 1, 1, 2), (1, 2, 2, 2)],
+}
 
 
 def _layouts(family):
