@@ -209,3 +209,8 @@ def test_a_backend_without_experts_refuses_a_mixture_of_experts(compose, monkeyp
     (hit,) = [v for v in capabilities.backend(cfg) if v.rule.startswith("moe_")]
     assert hit.rule == "moe_backend" and hit.fields == {"model.moe.num_experts": 4, "backend.name": "deepspeed"}
     assert hit.fix == "use backend=megatron or backend=deepspeed"
+
+
+def test_deepspeed_says_why_it_has_no_expert_parallel(compose):
+    (hit,) = [v for v in validate(compose(MOE, "backend=deepspeed", "parallel.ep=2")).errors]
+    assert hit.rule == "deepspeed_layout" and "refuses ZeRO-3" in hit.message and "backend=megatron" in hit.fix

@@ -119,6 +119,8 @@ class Backend:
     moe: MoeSupport | None  # mixture-of-experts models (model.moe.num_experts); None: dense only
     # the data-parallel traffic options (toolkit.config.schema.CommConfig fields) it honours
     comm_options: frozenset[str]
+    # why it does not train with a dimension, where the reason is not the obvious one: (dim, why)
+    lacks: tuple[tuple[str, str], ...]
     recompute: tuple[str, ...]  # recompute granularities
     precisions: tuple[str, ...]
     offload: bool  # ZeRO optimizer/parameter offload
@@ -180,6 +182,7 @@ MEGATRON = Backend(
     parallel_dims=frozenset({"tp", "pp", "vpp", "cp", "sp", "tp_overlap", "ep", "etp"}),
     moe=MoeSupport(family_modules=False, grouped_gemm=True, pipeline=True),
     comm_options=frozenset({"optimizer_instances", "bucket_size"}),  # DistributedDataParallelConfig
+    lacks=(),
     recompute=("none", "selective", "full"),
     precisions=("fp32", "bf16", "fp16", "fp8"),
     offload=False,
@@ -231,6 +234,13 @@ DEEPSPEED = Backend(
     # PipelineModule, which passes the hidden states only.
     moe=MoeSupport(family_modules=True, grouped_gemm=False, pipeline=False),
     comm_options=frozenset({"hpz_partition_size", "quantized_weights", "quantized_gradients"}),  # ZeRO++
+    lacks=(
+        (
+            "ep",
+            "DeepSpeed's own MoE layer gates and balances its own way and refuses ZeRO-3, and its AutoEP fails "
+            "on transformers 5's MoE blocks",
+        ),
+    ),
     recompute=("none", "full"),  # transformers models checkpoint whole layers
     precisions=("fp32", "bf16", "fp16"),
     offload=True,

@@ -191,11 +191,12 @@ def backend_dims(cfg: Config) -> Iterator[Violation]:
             in_use[option] = (f"parallel.{field}", True)
     unsupported = {field: value for dim, (field, value) in in_use.items() if dim not in be.parallel_dims}
     if unsupported:
+        why = "".join(f" ({dim}: {reason})" for dim, reason in be.lacks if dim in in_use)
         yield err(
             f"{be.name}_layout",
             {**unsupported, "backend.name": be.name},
             f"the {be.name} backend trains with data parallel, ZeRO and "
-            f"{', '.join(sorted(be.parallel_dims)) or 'no model'} parallelism only",
+            f"{', '.join(sorted(be.parallel_dims)) or 'no model'} parallelism only{why}",
             f"use {can} for {', '.join(unsupported)}"
             if (can := others(lambda o: set(in_use) <= o.parallel_dims))
             else f"set {' '.join(f'{field}=1' for field in unsupported)}: no backend trains with it",
