@@ -214,3 +214,20 @@ def test_a_backend_without_experts_refuses_a_mixture_of_experts(compose, monkeyp
 def test_deepspeed_says_why_it_has_no_expert_parallel(compose):
     (hit,) = [v for v in validate(compose(MOE, "backend=deepspeed", "parallel.ep=2")).errors]
     assert hit.rule == "deepspeed_layout" and "refuses ZeRO-3" in hit.message and "backend=megatron" in hit.fix
+
+
+def test_stages_with_unequal_moe_layers_are_warned_about(compose):
+    """Layers 0 and 1 dense at pp=2: the first stage holds no MoE layer, the second both; with
+    layers 0 and 2 dense each stage holds one (quiet)."""
+    two = ["cluster.gpus_per_node=2", "parallel.pp=2"]
+    (warning,) = [
+        v
+        for v in validate(compose(MOE, *two, "model.moe.dense_layers=[0,1]")).warnings
+        if v.rule == "moe_stage_imbalance"
+    ]
+    assert "hold 0, 2 MoE layers" in warning.message and "first_stage_layers" in warning.fix
+    assert not [
+        v
+        for v in validate(compose(MOE, *two, "model.moe.dense_layers=[0,2]")).warnings
+        if v.rule.startswith("moe_stage")
+    ]

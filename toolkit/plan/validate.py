@@ -146,6 +146,7 @@ def validate(
         warnings += [v for v in found if v.severity != ERROR]
     if not errors:
         warnings += list(experts.etp_default(cfg))
+        warnings += list(experts.stage_balance(cfg))
         warnings += list(comm.costly(cfg))
         warnings += list(slow.slow_layouts(cfg, resolve(cfg)))
     return Report(tuple(errors), tuple(warnings), packages)

@@ -191,3 +191,40 @@ def etp_default(cfg: Config) -> Iterator[Violation]:
             f"set parallel.etp={p.tp} to keep it, or parallel.etp=1 to keep each expert whole "
             f"(an expert group of {p.ep} ranks)",
         )
+
+
+# A pipeline whose stages idle this share of the slowest stage's time, because they hold fewer MoE
+# layers, is worth rebalancing.
+STAGE_IDLE_WORTH = 0.05
+
+
+def stage_balance(cfg: Config) -> Iterator[Violation]:
+    """A warning: pipeline stages that hold different numbers of MoE layers (an uneven split, or
+    layer_freq and dense_layers that fall unevenly) run at different speeds, and the slowest stage
+    sets the pipeline's pace (the planner's stage times)."""
+    m, p = cfg.model, cfg.parallel
+    if not is_moe(m) or p.pp == 1:
+        return
+    from toolkit.plan.layout import resolve
+    from toolkit.plan.params import stage_moe_layers
+    from toolkit.plan.perf import estimate_step
+
+    layout = resolve(cfg)
+    counts = [stage_moe_layers(m, p.pp, p.vpp, layout.stage_layers, s) for s in range(p.pp)]
+    if len(set(counts)) == 1:
+        return
+    times = estimate_step(cfg, layout).stage_times
+    idle = 1 - sum(times) / len(times) / max(times)
+    if idle >= STAGE_IDLE_WORTH:
+        yield warn(
+            "moe_stage_imbalance",
+            {
+                "parallel.pp": p.pp,
+                "model.moe.layer_freq": m.moe.layer_freq,
+                "model.moe.dense_layers": list(m.moe.dense_layers),
+            },
+            f"the pipeline stages hold {listing(counts)} MoE layers: the slowest stage sets the pace, and the stages "
+            f"idle {idle:.0%} of its time on average (the planner's stage times)",
+            "move layers between stages (parallel.first_stage_layers, parallel.last_stage_layers), or choose "
+            "model.moe.dense_layers so that every stage holds as many MoE layers",
+        )
