@@ -3,7 +3,7 @@ reduction and parameter gathering, for each comm setting, timed on this machine'
 step-time model's figure for the same configuration (and each setting's ratio to the flat one,
 measured and predicted).
 
-    python scripts/bench_comm.py [--ranks 4] [--params 4e6] [--repeats 7] [--json OUT]
+    python scripts/bench_comm.py [--ranks 4] [--params 4e6] [--repeats 15] [--json OUT]
 
 The collectives are those the backends issue (through torch.distributed: gloo on CPU, NCCL on
 GPUs), on a buffer of --params parameters:
@@ -18,7 +18,8 @@ GPUs), on a buffer of --params parameters:
   deepspeed ZeRO-3 hpZ     comm.hpz_partition_size=2: the backward's all-gather inside groups of 2
 The planner's figure is toolkit.plan.perf.data_parallel_comm for that configuration on the default
 cluster (the constants `parakit probe` measured), with the overlap off (all of it exposed), one
-micro-batch. Each measured figure is the slowest rank's median over --repeats.
+micro-batch. Each measured figure is the slowest rank's median over --repeats, the settings taken
+in turn (round-robin) after two warm-up steps each.
 """
 
 from __future__ import annotations
@@ -97,18 +98,18 @@ def _worker(rank: int, world: int, port: int, params: int, repeats: int, queue) 
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     groups = {2: _groups(world, 2)}
-    out = {}
-    for name in SETTINGS:
-        step = _step(name, params, world, groups)
-        step()  # warm-up
-        times = []
-        for _ in range(repeats):
+    steps = {name: _step(name, params, world, groups) for name in SETTINGS}
+    for step in steps.values():  # warm-up: buffers touched, groups connected
+        step()
+        step()
+    times: dict[str, list[float]] = {name: [] for name in SETTINGS}
+    for _ in range(repeats):  # round-robin: the machine's drift falls on every setting alike
+        for name, step in steps.items():
             dist.barrier()
             start = time.perf_counter()
             step()
-            times.append(time.perf_counter() - start)
-        out[name] = statistics.median(times)
-    queue.put((rank, out))
+            times[name].append(time.perf_counter() - start)
+    queue.put((rank, {name: statistics.median(t) for name, t in times.items()}))
     dist.barrier()
     dist.destroy_process_group()
 
@@ -143,7 +144,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--ranks", type=int, default=4, help="ranks (an even number: hpZ and instances halve them)")
     parser.add_argument("--params", type=float, default=4e6, help="parameters whose gradients travel")
-    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--json", type=Path, help="also write the rows as JSON")
     args = parser.parse_args()
     if args.ranks < 4 or args.ranks % 2:
