@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from toolkit.config.schema import ModelConfig, moe_layer_pattern
+from toolkit.config.schema import ModelConfig, expert_ffn_size, moe_layer_pattern
 
 
 def moe_fields(
@@ -43,10 +43,19 @@ def qwen_dense_layers(c: dict) -> list[int]:
     return [i for i in range(c["num_hidden_layers"]) if i in only_dense or (i + 1) % step]
 
 
-def dense_layer_list(m: ModelConfig) -> list[int]:
-    """Every dense layer of a model (the Qwen MoE configs' mlp_only_layers with decoder_sparse_step
-    1: any of megatron-core's layer patterns)."""
-    return [i for i, sparse in enumerate(moe_layer_pattern(m)) if not sparse]
+def qwen_moe_config(m: ModelConfig) -> dict:
+    """The experts' fields of a Qwen MoE transformers config (Qwen2MoeConfig, Qwen3MoeConfig), every
+    dense layer listed in mlp_only_layers with decoder_sparse_step 1: any of megatron-core's layer
+    patterns."""
+    return dict(
+        num_experts=m.moe.num_experts,
+        num_experts_per_tok=m.moe.router_topk,
+        moe_intermediate_size=expert_ffn_size(m),
+        norm_topk_prob=m.moe.norm_topk_prob,
+        router_aux_loss_coef=m.moe.aux_loss_coeff,
+        decoder_sparse_step=1,
+        mlp_only_layers=[i for i, sparse in enumerate(moe_layer_pattern(m)) if not sparse],
+    )
 
 
 @dataclass(frozen=True)

@@ -12,7 +12,7 @@ with moe_shared_expert_gate. Layer i is sparse when it is not in mlp_only_layers
 from __future__ import annotations
 
 from toolkit.config.schema import ModelConfig
-from toolkit.families.experts import ExpertNames, dense_layer_list, moe_fields, qwen_dense_layers, routing_unexpressed
+from toolkit.families.experts import ExpertNames, moe_fields, qwen_dense_layers, qwen_moe_config, routing_unexpressed
 from toolkit.families.llama import Qwen2
 from toolkit.formats.hf_arch import unsupported
 
@@ -52,16 +52,10 @@ class Qwen2Moe(Qwen2):
 
         return Qwen2MoeConfig(
             **common,
+            **qwen_moe_config(m),
             qkv_bias=m.add_qkv_bias,
             use_sliding_window=False,
-            num_experts=m.moe.num_experts,
-            num_experts_per_tok=m.moe.router_topk,
-            moe_intermediate_size=m.moe.ffn_hidden_size or m.ffn_hidden_size,
             shared_expert_intermediate_size=m.moe.shared_expert_size,
-            norm_topk_prob=m.moe.norm_topk_prob,
-            router_aux_loss_coef=m.moe.aux_loss_coeff,
-            decoder_sparse_step=1,
-            mlp_only_layers=dense_layer_list(m),
         )
 
 

@@ -10,7 +10,7 @@ mlp_only_layers and (i + 1) % decoder_sparse_step == 0; the dense ones have the 
 from __future__ import annotations
 
 from toolkit.config.schema import ModelConfig
-from toolkit.families.experts import ExpertNames, dense_layer_list, moe_fields, qwen_dense_layers, routing_unexpressed
+from toolkit.families.experts import ExpertNames, moe_fields, qwen_dense_layers, qwen_moe_config, routing_unexpressed
 from toolkit.families.llama import LlamaLike
 
 
@@ -49,18 +49,7 @@ class Qwen3Moe(Qwen3):
     def _config(self, common: dict, m: ModelConfig):
         from transformers import Qwen3MoeConfig
 
-        return Qwen3MoeConfig(
-            **common,
-            attention_bias=m.add_qkv_bias,
-            use_sliding_window=False,
-            num_experts=m.moe.num_experts,
-            num_experts_per_tok=m.moe.router_topk,
-            moe_intermediate_size=m.moe.ffn_hidden_size or m.ffn_hidden_size,
-            norm_topk_prob=m.moe.norm_topk_prob,
-            router_aux_loss_coef=m.moe.aux_loss_coeff,
-            decoder_sparse_step=1,
-            mlp_only_layers=dense_layer_list(m),
-        )
+        return Qwen3MoeConfig(**common, **qwen_moe_config(m), attention_bias=m.add_qkv_bias, use_sliding_window=False)
 
 
 QWEN3, QWEN3_MOE = Qwen3("qwen3"), Qwen3Moe("qwen3_moe")
