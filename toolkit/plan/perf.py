@@ -391,8 +391,8 @@ def data_parallel_comm(
     # qwZ in int8 (section 4.1: half of fp16's bytes), the backward's from hpZ's secondary partition
     # inside its group of ranks where set (section 4.2)
     gather_bytes = params * QUANTIZED_WEIGHT_BYTES if comm.quantized_weights else param_bytes
-    backward = ring(gather_bytes, 1.0, comm.hpz_partition_size, 1) if comm.hpz_partition_size > 1 else None
-    gathers = ring(gather_bytes, 1.0) + (ring(gather_bytes, 1.0) if backward is None else backward)
+    secondary = (comm.hpz_partition_size, 1) if comm.hpz_partition_size > 1 else (shard, stride)
+    gathers = ring(gather_bytes, 1.0) + ring(gather_bytes, 1.0, *secondary)
     return num_mb * overlapped(reduce + gathers, ZERO3_OVERLAP * per_microbatch * overlap)
 
 

@@ -306,15 +306,13 @@ TRAFFIC_TRIED = 10
 
 
 def _with_traffic_settings(leading: list[Candidate], capacity: float) -> list[Candidate]:
+    """Each leading layout's fastest variant with a comm.* setting alone, where one fits."""
     out = []
     for c in leading:
         for remedy in remedies(c.cfg, c.layout, c.step, same_numerics=True):
-            if all(o.startswith("comm.") for o in remedy.overrides):
-                layout = resolve(remedy.cfg)
-                memory = peak_memory(remedy.cfg, layout)
-                if memory.total <= capacity:
-                    out.append(Candidate(remedy.cfg, layout, memory, estimate_step(remedy.cfg, layout)))
-                    break
+            if all(o.startswith("comm.") for o in remedy.overrides) and remedy.memory.total <= capacity:
+                out.append(Candidate(remedy.cfg, remedy.layout, remedy.memory, remedy.step))
+                break
     return out
 
 

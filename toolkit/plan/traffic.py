@@ -10,7 +10,7 @@ from dataclasses import dataclass
 
 from toolkit.config.schema import Config
 from toolkit.plan.layout import Layout, resolve, world_size
-from toolkit.plan.memory import peak_memory
+from toolkit.plan.memory import MemoryEstimate, peak_memory
 from toolkit.plan.perf import StepEstimate, estimate_step
 from toolkit.plan.validate import validate
 
@@ -19,9 +19,15 @@ from toolkit.plan.validate import validate
 class Remedy:
     overrides: tuple[str, ...]  # the Hydra overrides that apply it
     what: str  # what it changes, in a few words
-    step_time: float  # the step it predicts
+    cfg: Config  # the configuration with it, its layout and the planner's estimates for it
+    layout: Layout
+    step: StepEstimate
+    memory: MemoryEstimate
     memory_delta: float  # bytes per GPU it adds (negative: frees)
-    cfg: Config  # the configuration with it
+
+    @property
+    def step_time(self) -> float:
+        return self.step.step_time
 
 
 @dataclass(frozen=True)
@@ -92,8 +98,9 @@ def remedies(
         changed_layout = resolve(changed)
         new = estimate_step(changed, changed_layout)
         if new.step_time < step.step_time:
-            delta = peak_memory(changed, changed_layout).total - memory
-            found.append(Remedy(tuple(change.overrides.split()), change.what, new.step_time, delta, changed))
+            peak = peak_memory(changed, changed_layout)
+            overrides = tuple(change.overrides.split())
+            found.append(Remedy(overrides, change.what, changed, changed_layout, new, peak, peak.total - memory))
     return sorted(found, key=lambda r: r.step_time)
 
 
