@@ -6,11 +6,13 @@ settings that cost more than they save (warnings)."""
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Iterator
 
 from toolkit.config.schema import Config
-from toolkit.plan.layout import world_size
+from toolkit.plan.layout import resolve, world_size
 from toolkit.plan.parallel_dims import ParallelDims
+from toolkit.plan.perf import estimate_step
 from toolkit.plan.rules.base import Violation, divisors, err, listing, warn
 
 
@@ -127,11 +129,6 @@ def _compression(cfg: Config) -> Iterator[Violation]:
     asked = {f"comm.{k}": True for k in ("quantized_weights", "quantized_gradients") if getattr(c, k)}
     if not asked:
         return
-    import dataclasses
-
-    from toolkit.plan.layout import resolve
-    from toolkit.plan.perf import estimate_step
-
     plain = dataclasses.replace(cfg, comm=dataclasses.replace(c, quantized_weights=False, quantized_gradients=False))
     layout = resolve(cfg)
     without, with_ = estimate_step(plain, layout), estimate_step(cfg, layout)

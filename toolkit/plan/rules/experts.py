@@ -8,8 +8,10 @@ from typing import Iterator
 
 from toolkit.config.schema import Config, expert_ffn_size, is_moe, moe_layer_pattern
 from toolkit.families import FAMILIES, family_of
-from toolkit.plan.layout import world_size
+from toolkit.plan.layout import resolve, world_size
 from toolkit.plan.parallel_dims import ParallelDims
+from toolkit.plan.params import stage_moe_layers
+from toolkit.plan.perf import estimate_step
 from toolkit.plan.rules.base import Violation, divisors, err, listing, warn
 
 
@@ -205,10 +207,6 @@ def stage_balance(cfg: Config) -> Iterator[Violation]:
     m, p = cfg.model, cfg.parallel
     if not is_moe(m) or p.pp == 1:
         return
-    from toolkit.plan.layout import resolve
-    from toolkit.plan.params import stage_moe_layers
-    from toolkit.plan.perf import estimate_step
-
     layout = resolve(cfg)
     counts = [stage_moe_layers(m, p.pp, p.vpp, layout.stage_layers, s) for s in range(p.pp)]
     if len(set(counts)) == 1:
