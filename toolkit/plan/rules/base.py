@@ -6,6 +6,8 @@ from dataclasses import dataclass
 from enum import Enum
 
 from toolkit.plan.backends import supporting
+from toolkit.plan.layout import world_size
+from toolkit.plan.parallel_dims import ParallelDims
 
 ERROR, WARNING = "error", "warning"
 
@@ -45,3 +47,11 @@ def listing(values) -> str:
 def others(feature) -> str:
     """`backend=NAME` for the backends that have `feature` (a fix's alternative)."""
     return " or ".join(f"backend={name}" for name in supporting(feature))
+
+
+def configured_dims(cfg) -> ParallelDims:
+    """The configured degrees, dp derived from the world size where unset (the rules read them
+    before a layout is resolved)."""
+    p = cfg.parallel
+    model_parallel = ParallelDims.of(p, dp=1).model_parallel_size
+    return ParallelDims.of(p, dp=p.dp or max(world_size(cfg) // model_parallel, 1))

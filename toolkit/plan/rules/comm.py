@@ -11,16 +11,13 @@ from typing import Iterator
 
 from toolkit.config.schema import Config
 from toolkit.plan.layout import resolve, world_size
-from toolkit.plan.parallel_dims import ParallelDims
 from toolkit.plan.perf import estimate_step
-from toolkit.plan.rules.base import Violation, divisors, err, listing, warn
+from toolkit.plan.rules.base import Violation, configured_dims, divisors, err, listing, warn
 
 
 def _dp_ranks(cfg: Config) -> tuple[int, int]:
     """(the dp x cp ranks of one model replica's shard group, the stride between them)."""
-    p = cfg.parallel
-    model_parallel = ParallelDims.of(p, dp=1).model_parallel_size
-    dims = ParallelDims.of(p, dp=p.dp or max(world_size(cfg) // model_parallel, 1))
+    dims = configured_dims(cfg)
     return dims.dp * dims.cp, dims.stride("cp")
 
 

@@ -8,17 +8,10 @@ from typing import Iterator
 
 from toolkit.config.schema import Config, expert_ffn_size, is_moe, moe_layer_pattern
 from toolkit.families import FAMILIES, family_of
-from toolkit.plan.layout import resolve, world_size
-from toolkit.plan.parallel_dims import ParallelDims
+from toolkit.plan.layout import resolve
 from toolkit.plan.params import stage_moe_layers
 from toolkit.plan.perf import estimate_step
-from toolkit.plan.rules.base import Violation, divisors, err, listing, warn
-
-
-def _dims(cfg: Config) -> ParallelDims:
-    p = cfg.parallel
-    model_parallel = ParallelDims.of(p, dp=1).model_parallel_size
-    return ParallelDims.of(p, dp=p.dp or max(world_size(cfg) // model_parallel, 1))
+from toolkit.plan.rules.base import Violation, configured_dims, divisors, err, listing, warn
 
 
 def dense(cfg: Config) -> Iterator[Violation]:
@@ -63,7 +56,7 @@ def experts(cfg: Config) -> Iterator[Violation]:
     m, p = cfg.model, cfg.parallel
     if not is_moe(m):
         return
-    moe, dims = m.moe, _dims(cfg)
+    moe, dims = m.moe, configured_dims(cfg)
     attention_ranks = dims.tp * dims.cp * dims.dp  # the ranks of one pipeline stage
     if moe.router_topk > moe.num_experts:
         yield err(
