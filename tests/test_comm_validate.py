@@ -32,6 +32,13 @@ CASES = [
         [FOUR, "parallel.tp=2", "comm.optimizer_instances=2"],
         "comm.optimizer_instances",
     ),
+    # tiny_moe at ep=2 on 4 ranks: the experts' 2 data-parallel ranks take 2 instances, not 4
+    (
+        "comm_instances_experts",
+        [FOUR, "model=tiny_moe", "parallel.ep=2", "comm.optimizer_instances=4"],
+        [FOUR, "model=tiny_moe", "parallel.ep=2", "comm.optimizer_instances=2"],
+        "comm.optimizer_instances",
+    ),
     (
         "comm_zeropp_zero",
         [FOUR, "backend=deepspeed", "zero=2", "comm.hpz_partition_size=2"],

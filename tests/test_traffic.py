@@ -137,3 +137,12 @@ def test_plan_names_the_traffic_share_and_each_remedy(capsys):
     assert 0 < traffic["share"] < 1 and {tuple(r["overrides"]) for r in traffic["remedies"]} >= {
         ("comm.optimizer_instances=8",)
     }
+
+
+def test_optimizer_instances_replicate_the_experts_state_too(compose):
+    """Mixtral 8x7B on 64 H100s at pp4 ep8: dp 16, the experts' dp 2. Two optimizer instances
+    halve both shard groups, so the whole optimizer state doubles (the experts' as well)."""
+    moe = ["model=mixtral_8x7b", "cluster=h100_cluster", "train.global_batch=256", "parallel.pp=4", "parallel.ep=8"]
+    flat, two = compose(*moe), compose(*moe, "comm.optimizer_instances=2")
+    ratio = peak_memory(two, resolve(two)).optimizer / peak_memory(flat, resolve(flat)).optimizer
+    assert ratio == pytest.approx(2, rel=1e-9)

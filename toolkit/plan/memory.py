@@ -212,11 +212,12 @@ def stage_memory(cfg: Config, layout: Layout, stage: int, flash: bool | None = N
         offload = (z.offload_optimizer != "none", z.offload_param != "none")
         return model_state_bytes(count, dtype, backend, zero_stage, shard, cfg.precision.grad_reduce_in_fp32, *offload)
 
-    # Megatron's distributed optimizer and ZeRO shard over DP x CP (over one optimizer instance's
-    # share of them: the state is replicated across instances); the experts over expert-dp
-    states = states_of(params.dense, layout.dp * layout.cp // cfg.comm.optimizer_instances)
+    # Megatron's distributed optimizer and ZeRO shard over DP x CP, the experts over expert-dp (each
+    # over one optimizer instance's share of them: the state is replicated across instances)
+    instances = cfg.comm.optimizer_instances
+    states = states_of(params.dense, layout.dp * layout.cp // instances)
     if params.experts:
-        states += states_of(params.experts, layout.dims.edp)
+        states += states_of(params.experts, layout.dims.edp // instances)
     if cfg.comm.hpz_partition_size > 1 and zero_stage >= 3:  # ZeRO++ hpZ: a second copy of the
         # parameters sharded over its group only (Wang et al. 2023, section 4.2)
         states += ModelStates(params.total * nbytes / cfg.comm.hpz_partition_size, 0.0, 0.0)

@@ -9,7 +9,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Iterator
 
-from toolkit.config.schema import Config
+from toolkit.config.schema import Config, is_moe
 from toolkit.plan.layout import resolve, world_size
 from toolkit.plan.perf import estimate_step
 from toolkit.plan.rules.base import Violation, configured_dims, divisors, err, listing, warn
@@ -39,6 +39,17 @@ def instances(cfg: Config) -> Iterator[Violation]:
             {"comm.optimizer_instances": n, "dp*cp": ranks},
             f"the {ranks} data-parallel ranks do not split into {n} equal optimizer instances",
             f"use comm.optimizer_instances in {{{listing(divisors(ranks))}}}",
+        )
+    # the experts' optimizer splits into instances over their expert-data-parallel ranks too
+    # (parallel_state.initialize_model_parallel asserts it)
+    edp = configured_dims(cfg).edp
+    if is_moe(cfg.model) and edp % n:
+        fits = [d for d in divisors(ranks) if edp % d == 0]
+        yield err(
+            "comm_instances_experts",
+            {"comm.optimizer_instances": n, "expert-dp": edp},
+            f"the experts' {edp} data-parallel ranks do not split into {n} equal optimizer instances",
+            f"use comm.optimizer_instances in {{{listing(fits)}}}, or a smaller parallel.ep",
         )
 
 
