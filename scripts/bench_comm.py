@@ -5,8 +5,9 @@ measured and predicted).
 
     python scripts/bench_comm.py [--ranks 4] [--params 4e6] [--repeats 15] [--json OUT]
 
-The collectives are those the backends issue (through torch.distributed: gloo on CPU, NCCL on
-GPUs), on a buffer of --params parameters:
+The collectives are those the backends issue, through torch.distributed's gloo on this machine's
+CPU ranks (NCCL needs a GPU per rank, which no machine lent to this project has), on a buffer of
+--params parameters:
   megatron flat            the distributed optimizer: gradients reduce-scattered over the ranks, the
                            updated parameters all-gathered (megatron-core param_and_grad_buffer.py,
                            start_grad_sync / start_param_sync)
@@ -151,7 +152,7 @@ def main() -> int:
         parser.error("--ranks must be an even number >= 4 (hpZ and the instances split them in halves)")
     params = int(args.params) // args.ranks * args.ranks
     measured, predicted = measure(args.ranks, params, args.repeats), predict(args.ranks, params)
-    print(f"{params:,} parameters on {args.ranks} ranks ({'NCCL' if torch.cuda.is_available() else 'gloo, CPU'})")
+    print(f"{params:,} parameters on {args.ranks} ranks (gloo, CPU)")
     print(f"{'setting':24} {'measured s':>11} {'planner s':>10} {'error':>7} {'vs flat: measured':>18} {'planner':>8}")
     rows = []
     for name in SETTINGS:
