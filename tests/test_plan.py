@@ -462,3 +462,46 @@ def test_scale_and_plan_scaling_refuse_a_range_that_is_not_powers_of_two():
     for command in (["scale", "--ranks", "3..8"], ["plan", "--scaling", "8-64"]):
         done = subprocess.run([sys.executable, "-m", "toolkit.cli", *command], capture_output=True, text=True)
         assert done.returncode in (1, 2) and "e.g. 1..8" in done.stderr and "Traceback" not in done.stderr, done
+
+
+def test_moe_layer_memory_traffic_follows_the_routed_tokens(compose):
+    """An MoE layer's element-wise work runs over the tokens routed to the rank: each token's
+    router_topk experts apply their SwiGLU (2 x ffn read, ffn written; the backward twice the
+    forward's traffic), and megatron-core's all-to-all dispatcher copies each routed row into expert
+    order and back (moe_utils.permute, unpermute: a read and a write each), forward and backward.
+    With GEMMs and attention made free, one more expert per token costs exactly those bytes (and its
+    GEMMs' stored outputs). The smallest defect the 0.1% tolerance must catch, the permutations left
+    out, is 15% of the difference; the experts' activations priced as the dense MLP's, 61%."""
+    import dataclasses
+
+    from toolkit.plan.backends import backend_of
+    from toolkit.plan.perf import layer_cost, rates
+
+    def moe_layer_seconds(topk: int) -> tuple[float, object]:
+        cfg = compose(
+            "model=mixtral_8x7b",
+            "cluster=h100_cluster",
+            "parallel.ep=8",
+            "train.global_batch=64",
+            "train.micro_batch=1",
+            f"model.moe.router_topk={topk}",
+            "model.moe.capacity_factor=1.0",  # the busiest rank gets exactly its share
+        )
+        fast = 1e9  # TFLOP/s: GEMMs and attention take no time
+        cluster = dataclasses.replace(cfg.cluster, peak_tflops_bf16=fast, peak_tflops_fp16=fast, peak_tflops_fp32=fast)
+        cfg = dataclasses.replace(cfg, cluster=cluster)
+        layout = resolve(cfg)
+        assert (layout.tp, layout.dims.ep, layout.dims.etp) == (1, 8, 1) and cfg.model.moe.num_experts == 8
+        cost = layer_cost(cfg, layout, backend_of(cfg), rates(cfg, layout.world_size), None, moe=True)
+        return cost.compute, (cfg, layout)
+
+    one, (cfg, layout) = moe_layer_seconds(1)
+    two, _ = moe_layer_seconds(2)
+    m, tokens, bf16 = cfg.model, layout.gpu_tokens, 2
+    activation = 3 * tokens * (2 * m.moe.ffn_hidden_size + m.moe.ffn_hidden_size) * bf16  # fwd + 2x bwd
+    permutation = 2 * 4 * tokens * m.hidden_size * bf16  # permute + unpermute, read + write, fwd + bwd
+    # and the expert GEMMs' outputs, stored through HBM (kernels.gemm_time): fc1 (2 x ffn) and fc2 (h)
+    # forward, their input gradients (h and ffn) backward
+    stores = tokens * (3 * m.moe.ffn_hidden_size + 2 * m.hidden_size) * bf16
+    hbm = cfg.cluster.hbm_bandwidth_gbs * 1e9
+    assert two - one == pytest.approx((activation + permutation + stores) / hbm, rel=1e-3)

@@ -101,14 +101,44 @@ class StepEstimate:
         return self.ep_comm / self.step_time
 
 
-def _elementwise_bytes(m, tokens: int, tp: int, sp: bool, nbytes: int) -> float:
-    """Bytes element-wise ops move per layer and micro-batch, forward and backward (x3)."""
+def _elementwise_bytes(m, tokens: int, tp: int, sp: bool, nbytes: int, mlp_elements: float | None = None) -> float:
+    """Bytes element-wise ops move per layer and micro-batch, forward and backward (x3).
+    `mlp_elements`: the MLP activation's input and output elements on this rank (default: the dense
+    MLP's over the micro-batch's tokens; an MoE layer's are `_moe_mlp_elements`)."""
     h, d = m.hidden_size, head_dim(m)
     q, kv = m.num_attention_heads * d, kv_heads(m) * d
-    ffn_in = m.ffn_hidden_size * (2 if m.activation == "swiglu" else 1)
+    if mlp_elements is None:
+        mlp_elements = tokens * m.ffn_hidden_size * (3 if m.activation == "swiglu" else 2) / tp
     replicated = 10 * h / (tp if sp else 1)  # 2 norms (read + write), 2 residual adds (2 reads + write)
-    sharded = (2 * (q + kv) + ffn_in + m.ffn_hidden_size) / tp  # RoPE on q, k; activation in -> out
-    return 3 * tokens * (replicated + sharded) * nbytes
+    rope = 2 * (q + kv) / tp  # RoPE on q, k
+    return 3 * (tokens * (replicated + rope) + mlp_elements) * nbytes
+
+
+def _moe_mlp_elements(cfg: Config, layout: Layout) -> float:
+    """An MoE layer's activation input and output elements on one rank: its experts' over the tokens
+    routed to it (as `_moe_gemms`), and the shared experts' over all its tokens."""
+    m, d = cfg.model, layout.dims
+    per_ffn = 3 if m.activation == "swiglu" else 2  # gated: 2 x ffn in, ffn out
+    routed = m.moe.router_topk * layout.gpu_tokens * d.etp / d.tp * routing_imbalance(m)
+    elements = routed * per_ffn * expert_ffn_size(m) / d.etp
+    if m.moe.shared_expert_size:
+        elements += layout.gpu_tokens * per_ffn * m.moe.shared_expert_size / d.tp
+    return elements
+
+
+def _permutation_bytes(cfg: Config, layout: Layout, nbytes: int) -> float:
+    """Bytes an MoE layer's token permutations move per micro-batch, forward and backward (megatron-core
+    transformer/moe/token_dispatcher.py, MoEAlltoAllTokenDispatcher; moe_utils.permute, unpermute,
+    sort_chunks_by_idxs): each rank copies router_topk rows of its tokens into expert order before the
+    all-to-all (a read and a write) and adds them back, weighted, after it (a read and a write); with
+    several local experts the received rows are sorted by expert and back again. The backward
+    permutes the gradients the same way."""
+    m, d = cfg.model, layout.dims
+    sent = m.moe.router_topk * layout.gpu_tokens / d.tp  # rows leaving this rank (sequence parallel)
+    rows = 4 * sent  # permute and unpermute: each a read and a write
+    if m.moe.num_experts // d.ep > 1:
+        rows += 4 * sent * d.etp * routing_imbalance(m)  # the received rows, sorted and unsorted
+    return 2 * rows * m.hidden_size * nbytes
 
 
 def _core_sharing(cfg: Config, layout: Layout, stage_times: list[float], step_s: float) -> float:
@@ -254,11 +284,16 @@ def layer_cost(cfg: Config, layout: Layout, backend: Backend, r: Rates, stack, m
     gemm_fwd = sum(f for f, _ in times)
     gemm_bwd = sum(b for _, b in times)
     core_fwd, core_bwd = _attention_time(cfg, layout, r, tokens)
-    elementwise = backend.elementwise_traffic * _elementwise_bytes(m, tokens, tp, p.sequence_parallel, r.nbytes) / r.hbm
-    compute = gemm_fwd + gemm_bwd + core_fwd + core_bwd + elementwise + c.layer_overhead_s
+    mlp_elements = _moe_mlp_elements(cfg, layout) if moe else None
+    elementwise_bytes = _elementwise_bytes(m, tokens, tp, p.sequence_parallel, r.nbytes, mlp_elements)
+    elementwise = backend.elementwise_traffic * elementwise_bytes / r.hbm
+    # megatron-core's dispatcher permutes the tokens (transformers' MoE blocks index them per expert
+    # instead, priced with the element-wise traffic)
+    permutation = _permutation_bytes(cfg, layout, r.nbytes) / r.hbm if moe and not backend.moe.family_modules else 0.0
+    compute = gemm_fwd + gemm_bwd + core_fwd + core_bwd + elementwise + permutation + c.layer_overhead_s
     compute += (stack.layer_s + (stack.tp_layer_s if tp > 1 else 0.0)) if stack else 0.0
     if recompute == "full":
-        compute += gemm_fwd + core_fwd + elementwise / 3
+        compute += gemm_fwd + core_fwd + elementwise / 3 + permutation / 2
     elif recompute == "selective":
         compute += core_fwd
 
