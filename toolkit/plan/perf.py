@@ -108,21 +108,32 @@ def _elementwise_bytes(m, tokens: int, tp: int, sp: bool, nbytes: int, mlp_eleme
     h, d = m.hidden_size, head_dim(m)
     q, kv = m.num_attention_heads * d, kv_heads(m) * d
     if mlp_elements is None:
-        mlp_elements = tokens * m.ffn_hidden_size * (3 if m.activation == "swiglu" else 2) / tp
+        mlp_elements = tokens * _activation_io(m) * m.ffn_hidden_size / tp
     replicated = 10 * h / (tp if sp else 1)  # 2 norms (read + write), 2 residual adds (2 reads + write)
     rope = 2 * (q + kv) / tp  # RoPE on q, k
     return 3 * (tokens * (replicated + rope) + mlp_elements) * nbytes
 
 
+def _activation_io(m) -> int:
+    """The MLP activation's input and output elements per FFN unit: gated (SwiGLU) reads 2 and
+    writes 1, else 1 and 1."""
+    return 3 if m.activation == "swiglu" else 2
+
+
+def _routed_tokens(cfg: Config, layout: Layout) -> float:
+    """Rows an MoE layer's experts compute on the busiest rank per micro-batch: router_topk copies of
+    the tokens its expert group sends it (gathered over etp), times the routing imbalance."""
+    m, d = cfg.model, layout.dims
+    return m.moe.router_topk * layout.gpu_tokens * d.etp / d.tp * routing_imbalance(m)
+
+
 def _moe_mlp_elements(cfg: Config, layout: Layout) -> float:
     """An MoE layer's activation input and output elements on one rank: its experts' over the tokens
-    routed to it (as `_moe_gemms`), and the shared experts' over all its tokens."""
+    routed to it, and the shared experts' over all its tokens."""
     m, d = cfg.model, layout.dims
-    per_ffn = 3 if m.activation == "swiglu" else 2  # gated: 2 x ffn in, ffn out
-    routed = m.moe.router_topk * layout.gpu_tokens * d.etp / d.tp * routing_imbalance(m)
-    elements = routed * per_ffn * expert_ffn_size(m) / d.etp
+    elements = _routed_tokens(cfg, layout) * _activation_io(m) * expert_ffn_size(m) / d.etp
     if m.moe.shared_expert_size:
-        elements += layout.gpu_tokens * per_ffn * m.moe.shared_expert_size / d.tp
+        elements += layout.gpu_tokens * _activation_io(m) * m.moe.shared_expert_size / d.tp
     return elements
 
 
@@ -137,7 +148,7 @@ def _permutation_bytes(cfg: Config, layout: Layout, nbytes: int) -> float:
     sent = m.moe.router_topk * layout.gpu_tokens / d.tp  # rows leaving this rank (sequence parallel)
     rows = 4 * sent  # permute and unpermute: each a read and a write
     if m.moe.num_experts // d.ep > 1:
-        rows += 4 * sent * d.etp * routing_imbalance(m)  # the received rows, sorted and unsorted
+        rows += 4 * _routed_tokens(cfg, layout)  # the received rows, sorted and unsorted
     return 2 * rows * m.hidden_size * nbytes
 
 
@@ -244,7 +255,7 @@ def _moe_gemms(cfg: Config, layout: Layout) -> list[tuple[float, float, float]]:
     router_topk x its tokens (times the imbalance) and the shared experts' (split by tp)."""
     m, d = cfg.model, layout.dims
     h, tokens, gated = m.hidden_size, layout.gpu_tokens, 2 if m.activation == "swiglu" else 1
-    routed = m.moe.router_topk * tokens * d.etp / d.tp * routing_imbalance(m)
+    routed = _routed_tokens(cfg, layout)
     ffn = expert_ffn_size(m) / d.etp
     gemms = [(tokens, m.moe.num_experts, h), (routed, gated * ffn, h), (routed, h, ffn)]
     if m.moe.shared_expert_size:
