@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from megatron_lm import FLAGS
 from omegaconf import OmegaConf
 from upstream import deepspeed_accepts, megatron_accepts
 
@@ -17,12 +18,6 @@ from toolkit.config.schema import Config
 from toolkit.config.store import conf_dir
 from toolkit.emit.files import GENERATED
 from toolkit.formats.manifest import Manifest, manifest_path
-
-FLAGS = {
-    line
-    for line in (Path(__file__).parent / "data" / "megatron_lm_flags.txt").read_text().split()
-    if line.startswith("--")
-}
 
 
 def parakit(*args, cwd):

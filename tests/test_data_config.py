@@ -7,17 +7,12 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+from megatron_lm import FLAGS
 
 from toolkit.emit.files import render
 from toolkit.formats.manifest import Manifest, manifest_path, parse_blend
 from toolkit.plan.layout import resolve
 from toolkit.plan.validate import validate
-
-FLAGS = {
-    line
-    for line in (Path(__file__).parent / "data" / "megatron_lm_flags.txt").read_text().split()
-    if line.startswith("--")
-}
 
 
 def fake_prefix(directory: Path, name: str, tokenizer: str = "/tok/a", vocab: int = 76_000) -> str:

@@ -11,8 +11,10 @@ import os
 from collections import Counter
 from functools import lru_cache
 
+from deepspeed_readback import check_deepspeed_readback
 from hypothesis import HealthCheck, Phase, event, given, seed, settings
 from hypothesis import strategies as st
+from megatron_lm import differences
 from omegaconf import OmegaConf
 from upstream import deepspeed_accepts, megatron_accepts
 
@@ -311,17 +313,16 @@ def _judge(overrides) -> tuple[str, ...]:
             event(f"rejected by {rule}")
         return rules
     event("accepted")
-    ds = deepspeed_accepts(deepspeed_config(cfg, layout), dp=layout.dp, mp=layout.tp * layout.pp)
+    ds_json = deepspeed_config(cfg, layout)
+    ds = deepspeed_accepts(ds_json, dp=layout.dp, mp=layout.tp * layout.pp)
     assert ds.train_batch_size == layout.micro_batch * layout.grad_accum * layout.dp
-    transformer, _, _ = megatron_accepts(megatron_sections(cfg, layout))
+    check_deepspeed_readback(cfg, layout, ds_json, ds)
+    sections = megatron_sections(cfg, layout)
+    transformer, _, _ = megatron_accepts(sections)
     assert transformer.num_layers == cfg.model.num_layers
-    assert set(render(cfg, layout)) == {
-        "config.yaml",
-        "deepspeed.json",
-        "megatron.yaml",
-        "megatron_args.txt",
-        "launch.sh",
-    }
+    files = render(cfg, layout)
+    assert set(files) == {"config.yaml", "deepspeed.json", "megatron.yaml", "megatron_args.txt", "launch.sh"}
+    assert not differences(files["megatron_args.txt"], sections, layout.world_size)  # Megatron-LM reads megatron.yaml
     return ()
 
 

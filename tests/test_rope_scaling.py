@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from megatron_lm import FLAGS
 from megatron_meta import meta_chunks
 
 from toolkit.emit.launch import launch_script
@@ -17,11 +18,6 @@ from toolkit.families.hf_config import check_matches, hf_config
 from toolkit.plan.layout import resolve
 from toolkit.plan.validate import validate
 
-FLAGS = {
-    line
-    for line in (Path(__file__).parent / "data" / "megatron_lm_flags.txt").read_text().split()
-    if line.startswith("--")
-}
 ONE_NODE = ("cluster=8xh100", "train.global_batch=256", "data=synthetic", "checks.memory=off")  # RoPE, not memory
 
 # model overrides -> the llama3 scaling they must carry (None: plain RoPE)

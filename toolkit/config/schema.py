@@ -447,7 +447,11 @@ class PrecisionConfig:
     dtype: Dtype = Dtype.bf16  # conf/precision/auto.yaml (the default) takes cluster.default_dtype
     # fp16 needs loss scaling: dynamic (recommended), static (loss_scale), or none.
     loss_scaling: LossScaling = LossScaling.dynamic
-    loss_scale: float = non_negative(1.0)  # static scale, used when loss_scaling=static
+    # static scale, used when loss_scaling=static; 0 would mean dynamic scaling to DeepSpeed and megatron-core
+    loss_scale: float = _bounded(
+        1.0,
+        Bounds("a static loss scale must be positive", "set {path} > 0, or precision.loss_scaling=dynamic", above=0),
+    )
     initial_scale_power: int = 16  # dynamic: start at 2**power
     loss_scale_window: int = non_negative(1000)
     hysteresis: int = non_negative(2)

@@ -136,7 +136,10 @@ def deepspeed_config(cfg: Config, layout: Layout) -> dict:
     if layout.pp > 1:
         ds["pipeline"] = {
             "stages": layout.pp,
-            "partition": "parameters",
+            # The decoder layers evenly over the stages (layout.stage_layers), as toolkit.train.deepspeed_pipe
+            # partitions its PipelineModule: "type:" weighs only the layers of that class, "parameters" would
+            # weigh the embedding and head too (DeepSpeed runtime/pipe/module.py _partition_layers).
+            "partition": "type:DecoderPipe",
             "activation_checkpoint_interval": cfg.recompute.num_layers if cfg.recompute.granularity == "full" else 0,
         }
     return ds

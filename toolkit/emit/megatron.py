@@ -55,8 +55,6 @@ def _transformer(cfg: Config) -> dict:
     m, r = cfg.model, cfg.recompute
     fused = cfg.cluster.device == "cuda"
     swiglu = m.activation == "swiglu"
-    # fp8 GEMMs and the tensor-parallel communication overlap exist in Transformer Engine's layers only
-    needs_te = cfg.precision.dtype == "fp8" or cfg.parallel.tp_comm_overlap
     return {
         "num_layers": m.num_layers,
         "num_layers_in_first_pipeline_stage": cfg.parallel.first_stage_layers,
@@ -84,6 +82,9 @@ def _transformer(cfg: Config) -> dict:
         "masked_softmax_fusion": fused,
         "bias_dropout_fusion": fused,
         "apply_rope_fusion": False,
+        # apex's persistent LayerNorm kernel: parakit builds Transformer Engine's or torch's norms, which have
+        # none; Megatron-LM turns it on unless told (and its local spec without apex then refuses the model)
+        "persist_layer_norm": False,
         # parakit's "flash" is any fused kernel that stores no s x s scores: megatron-core's `auto` lets
         # Transformer Engine pick FlashAttention or cuDNN's fused attention (its `flash` forces
         # NVTE_FLASH_ATTN=1 NVTE_FUSED_ATTN=0: the separate flash-attn package, and no cuDNN attention
@@ -94,8 +95,13 @@ def _transformer(cfg: Config) -> dict:
         "recompute_num_layers": r.num_layers if r.granularity == "full" else None,
         "recompute_modules": list(r.modules) if r.granularity == "selective" else None,
         "fp8": cfg.precision.fp8_format if cfg.precision.dtype == "fp8" else None,
-        "cp_comm_type": str(cfg.parallel.cp_comm_type) if cfg.parallel.cp > 1 else None,
-        "transformer_impl": "transformer_engine" if needs_te else "local",
+        "cp_comm_type": str(cfg.parallel.cp_comm_type),
+        # A GPU cluster runs Transformer Engine's layers (fused attention, fp8, the tensor-parallel overlap,
+        # context parallel), which the planner prices (toolkit.plan.backends: fused element-wise work) and
+        # parakit's trainer builds where TE is installed (toolkit.train.megatron_model.layer_spec). In
+        # megatron-core the field picks the spec only for Megatron-LM's GPT builder (gpt_builders.py), whose
+        # local spec refuses context parallel ("only supported by TEDotProductAttention").
+        "transformer_impl": "transformer_engine" if fused else "local",
         "qk_layernorm": m.qk_layernorm,
         **_moe(cfg),
     }
