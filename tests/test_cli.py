@@ -253,7 +253,10 @@ def test_cluster_slurm_settings_become_sbatch_options_and_srun_flags(compose, tm
     assert "--exclusive" not in sbatch
     assert "--container-image=nvcr.io/nvidia/pytorch:24.05-py3" in text and "--container-mounts=/data:/data" in text
     assert "NCCL_SOCKET_IFNAME=ib0 GLOO_SOCKET_IFNAME=ib0" in text and "TORCH_NCCL_ASYNC_ERROR_HANDLING=1" in text
-    assert '--output="$LOG_DIR/%x-%j-node%n.log"' in text and 'LOG_DIR="${PARAKIT_LOG_DIR:-/logs/run1}"' in text
+    assert (
+        '--output="$LOG_DIR/%x-%j-node%n.log"' in text
+        and 'LOG_DIR=/logs/run1\nLOG_DIR="${PARAKIT_LOG_DIR:-$LOG_DIR}"' in text
+    )
     plain = compose("model=tiny", "cluster=cpu", "cluster.nodes=2", "cluster.gpus_per_node=2", "train.global_batch=8")
     text = launch_script(plain, resolve(plain))
     assert "--partition" not in text and "#SBATCH --exclusive" in text and "--container" not in text

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import re
 import sys
 import textwrap
 import time
@@ -295,6 +296,18 @@ def _reproduce(cfg, opts) -> int:
     return reproduce(cfg, opts, recipe, list(hc.overrides.task), dirs, lambda c: _write_run_dir("reproduce", c))
 
 
+def _name(text: str) -> str:
+    """A --name that becomes CONFIG_DIR/cluster/NAME.yaml and `cluster=NAME`: a name, never a path."""
+    from toolkit.config.schema import NAME
+
+    if not re.fullmatch(NAME, text):
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not a name: use letters, digits, '_', '.' and '-', not starting with '.' "
+            "(it names the file cluster/NAME.yaml and the option cluster=NAME)"
+        )
+    return text
+
+
 def _probe(cfg, opts) -> int:
     from toolkit.report.probe import probe_command
 
@@ -341,6 +354,7 @@ def _plan(cfg, opts) -> int:
         return plan_command(cfg, top=opts.top, as_json=opts.json)
     from hydra.core.hydra_config import HydraConfig
 
+    from toolkit.config.schema import as_name
     from toolkit.plan.layout import world_size
     from toolkit.report.measure import measure_top, measured_table
     from toolkit.report.sweep import SweepOptions
@@ -348,7 +362,8 @@ def _plan(cfg, opts) -> int:
     code = plan_command(cfg, top=opts.top, as_json=False)
     if code:
         return code
-    sweep_dir = Path(opts.sweep_dir or f"plan-measure/{cfg.model.name}-{cfg.cluster.name}-{world_size(cfg)}")
+    folder = f"{as_name(cfg.model.name)}-{as_name(cfg.cluster.name)}-{world_size(cfg)}"
+    sweep_dir = Path(opts.sweep_dir or f"plan-measure/{folder}")
     print(f"\nmeasuring the top {opts.measure} in {sweep_dir} (a short profiling run each):", flush=True)
     sweep = SweepOptions(opts.warmup_steps, opts.timeout)
     measured = measure_top(cfg, opts.measure, list(HydraConfig.get().overrides.task), sweep_dir, sweep)
@@ -473,7 +488,9 @@ COMMANDS = {
             options=(
                 Option(("--force",), dict(action="store_true", help="measure again even if this machine is cached")),
                 Option(("--output", "-o"), dict(default="probe", metavar="CONFIG_DIR", help="default: ./probe")),
-                Option(("--name",), dict(default="this_machine", metavar="NAME", help="default: this_machine")),
+                Option(
+                    ("--name",), dict(default="this_machine", type=_name, metavar="NAME", help="default: this_machine")
+                ),
             ),
         ),
         Command(
@@ -486,7 +503,7 @@ COMMANDS = {
             options=(
                 Option(("sweep_dir",), dict(metavar="SWEEP_DIR", help="a `parakit sweep` directory (sweep.json)")),
                 Option(("--output", "-o"), dict(metavar="CONFIG_DIR", help="default: SWEEP_DIR/calibrated")),
-                Option(("--name",), dict(metavar="NAME", help="default: CLUSTER_calibrated")),
+                Option(("--name",), dict(type=_name, metavar="NAME", help="default: CLUSTER_calibrated")),
             ),
         ),
         Command(

@@ -17,6 +17,7 @@ member *name*, so every member is named as its value. yaml.safe_dump refuses str
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass, field
 from enum import Enum, StrEnum
 from typing import Any, Optional
@@ -229,11 +230,63 @@ class Bounds:
     below: float | None = None  # exclusive
     above: float | None = None  # exclusive, and -inf is below it
     choices: tuple | None = None
+    pattern: str | None = None  # a text field (each item of a list of them) matches this regular expression whole
     rule: str = "range"
 
 
 def _bounded(default, bounds: Bounds):
     return field(default=default, metadata={"bounds": bounds})
+
+
+# A name: a config option (`cluster=NAME`), a file and folder name, the Slurm job's name.
+NAME = r"[A-Za-z0-9_][A-Za-z0-9_.-]*"
+
+
+def as_name(text: str) -> str:
+    """`text` made a NAME: every other character becomes '_' (a leading '.' too), so that it stays one
+    file name inside its folder."""
+    name = re.sub(r"[^A-Za-z0-9_.-]", "_", text)
+    return name if re.fullmatch(NAME, name) else "_" + name
+
+
+def a_name(default):
+    return _bounded(
+        default,
+        Bounds(
+            "must be a name: letters, digits, '_', '.' and '-', not starting with '.' (it names files, "
+            "folders and the Slurm job)",
+            "set {path} to such a name",
+            pattern=NAME,
+            rule="name",
+        ),
+    )
+
+
+def one_line(default):
+    return _bounded(
+        default,
+        Bounds(
+            "must be one line of printable text (launch.sh writes it)",
+            "remove the newlines and control characters from {path}",
+            pattern=r"[^\x00-\x1f\x7f]*",
+            rule="one_line",
+        ),
+    )
+
+
+# A value launch.sh writes into an #SBATCH line, which sbatch reads itself: it splits the line at
+# whitespace and takes quotes and backslashes as its own (Slurm's src/sbatch/opt.c, _get_argument);
+# nothing of it reaches a shell.
+SBATCH_VALUE = Bounds(
+    "goes into an #SBATCH line, where sbatch splits at whitespace and reads quotes and backslashes as its own",
+    "remove whitespace, quotes, backslashes and control characters from {path}",
+    pattern=r"[^\s\"'\\\x00-\x1f\x7f]+",
+    rule="sbatch_value",
+)
+
+
+def sbatch_value(default):
+    return _bounded(default, SBATCH_VALUE)
 
 
 def at_least_one(default):
@@ -315,7 +368,7 @@ class MoeConfig:
 class ModelConfig:
     """A decoder-only transformer, described once for every consumer (planner, Megatron, HF)."""
 
-    name: str = "tiny"
+    name: str = a_name("tiny")
     family: Family = Family.llama  # the Hugging Face architecture it maps to
     sliding_window: Optional[int] = None  # mistral: attend to the last N tokens only (this one included)
     num_layers: int = at_least_one(8)
@@ -554,22 +607,23 @@ class StackCosts:
 class SlurmConfig:
     """What a multi-node launch.sh asks Slurm for (sbatch's options of the same names)."""
 
-    partition: Optional[str] = None  # null: the cluster's default partition
-    account: Optional[str] = None
-    qos: Optional[str] = None
-    time: Optional[str] = None  # the job's time limit as sbatch takes it (HH:MM:SS, D-HH:MM:SS); null: the partition's
-    constraint: Optional[str] = None  # node features (--constraint)
+    partition: Optional[str] = sbatch_value(None)  # null: the cluster's default partition
+    account: Optional[str] = sbatch_value(None)
+    qos: Optional[str] = sbatch_value(None)
+    # the job's time limit as sbatch takes it (HH:MM:SS, D-HH:MM:SS); null: the partition's
+    time: Optional[str] = sbatch_value(None)
+    constraint: Optional[str] = sbatch_value(None)  # node features (--constraint)
     exclusive: bool = True  # whole nodes: no other job shares their devices or network
     # CPUs for each node's one task (torchrun and its ranks); null: one per rank on CPU clusters,
     # Slurm's default on GPU clusters.
     cpus_per_task: Optional[int] = None
-    extra_sbatch: list[str] = field(default_factory=list)  # more options, e.g. ["--mail-type=END"]
+    extra_sbatch: list[str] = field(default_factory=list, metadata={"bounds": SBATCH_VALUE})  # e.g. ["--mail-type=END"]
     container_image: Optional[str] = None  # pyxis/enroot: srun --container-image
     container_mounts: Optional[str] = None  # pyxis/enroot: srun --container-mounts (SRC:DST,...)
     # The network interface NCCL and gloo use between nodes (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME);
     # null: their own choice.
     socket_ifname: Optional[str] = None
-    log_dir: Optional[str] = None  # the job's log and one log per node; null: <run directory>/logs
+    log_dir: Optional[str] = sbatch_value(None)  # the job's log and one log per node; null: <run directory>/logs
     # Preemption: Slurm signals the batch script this many seconds before the time limit
     # (--signal=B:USR1@S); the ranks stop after their step with a checkpoint and the job requeues
     # itself (toolkit.train.preemption). null: no signal.
@@ -579,9 +633,9 @@ class SlurmConfig:
 
 @dataclass
 class ClusterConfig:
-    name: str = "cpu"
+    name: str = a_name("cpu")
     device: Device = Device.cpu
-    gpu: str = "cpu"  # accelerator model, for reports
+    gpu: str = one_line("cpu")  # accelerator model, for reports
     # The precision when none is given (conf/precision/auto.yaml): bf16 where the accelerator has
     # it, fp32 on CPU and on GPUs before bf16 (V100).
     default_dtype: Dtype = Dtype.fp32

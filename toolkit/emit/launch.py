@@ -6,6 +6,8 @@ Slurm's `srun` with one task per node for multi-node runs, as the PyTorch elasti
 
 from __future__ import annotations
 
+import shlex
+
 from toolkit.config.schema import Config
 from toolkit.plan.backends import backend_of
 from toolkit.plan.layout import Layout
@@ -40,6 +42,28 @@ STOPPED = "preempted"
 MEGATRON_LM_ROPE_SCALING_FACTOR = 8.0
 
 
+def megatron_lm_refusal(cfg: Config) -> str | None:
+    """Why Megatron-LM's pretrain_gpt.py would not train this run as planned; None where it would."""
+    rs = cfg.model.rope_scaling
+    if cfg.cluster.device != "cuda":
+        return f"cluster.device={cfg.cluster.device}: Megatron-LM's pretrain_gpt.py trains on CUDA GPUs only (NCCL)"
+    if rs.type == "llama3" and rs.factor != MEGATRON_LM_ROPE_SCALING_FACTOR:
+        return (
+            f"model.rope_scaling.factor={rs.factor:g}: Megatron-LM's pretrain_gpt.py ignores --rope-scaling-factor "
+            f"and scales RoPE by {MEGATRON_LM_ROPE_SCALING_FACTOR:g}"
+        )
+    return None
+
+
+# megatron_args.txt's lines are shell-quoted: Python's shlex reads them back into the very words
+# (NUL-separated for mapfile), where $(cat ...) would split values at spaces and expand globs.
+_READ_MEGATRON_ARGS = (
+    "  mapfile -d '' -t MEGATRON_LM_ARGS < <(\"${PARAKIT_PYTHON:-python3}\" -c "
+    '\'import shlex, sys; print(*shlex.split(open(sys.argv[1]).read()), sep="\\0", end="\\0")\' '
+    '"$RUN_DIR/megatron_args.txt")'
+)
+
+
 def _entry(cfg: Config) -> str:
     """What each rank runs: the parakit trainer on this run's resolved config, or for the
     megatron backend optionally Megatron-LM's pretrain_gpt.py with megatron_args.txt."""
@@ -50,20 +74,16 @@ def _entry(cfg: Config) -> str:
         'TORCHRUN=("${PARAKIT_PYTHON:-python3}" -m toolkit.train.torchrun)',
     ]
     if backend_of(cfg).megatron_lm_entry:
-        rs = cfg.model.rope_scaling
-        if rs.type == "llama3" and rs.factor != MEGATRON_LM_ROPE_SCALING_FACTOR:
-            run_megatron_lm = [
-                f"  echo \"model.rope_scaling.factor={rs.factor:g}: Megatron-LM's pretrain_gpt.py ignores "
-                f"--rope-scaling-factor and scales RoPE by {MEGATRON_LM_ROPE_SCALING_FACTOR:g}; "
-                "run parakit's trainer (unset PARAKIT_ENTRY)\" >&2",
-                "  exit 2",
-            ]
+        if refusal := megatron_lm_refusal(cfg):
+            message = f"{refusal}; run parakit's trainer (unset PARAKIT_ENTRY)"
+            run_megatron_lm = [f"  echo {shlex.quote(message)} >&2", "  exit 2"]
         else:
             run_megatron_lm = [
                 "  # Megatron-LM checkout: MEGATRON_LM_DIR=/path/to/Megatron-LM",
-                "  # shellcheck disable=SC2046  # one flag and its value per line: split on whitespace",
-                '  ENTRY=("${MEGATRON_LM_DIR:?set MEGATRON_LM_DIR}/pretrain_gpt.py" '
-                '$(cat "$RUN_DIR/megatron_args.txt"))',
+                _READ_MEGATRON_ARGS,
+                '  if [[ ${#MEGATRON_LM_ARGS[@]} -eq 0 ]]; then echo "cannot read $RUN_DIR/megatron_args.txt" >&2; '
+                "exit 2; fi",
+                '  ENTRY=("${MEGATRON_LM_DIR:?set MEGATRON_LM_DIR}/pretrain_gpt.py" "${MEGATRON_LM_ARGS[@]}")',
                 "  TORCHRUN=(torchrun)  # its Python need not have parakit",
             ]
         lines += ['if [[ "${PARAKIT_ENTRY:-parakit}" == megatron-lm ]]; then', *run_megatron_lm, "fi"]
@@ -96,7 +116,7 @@ def _multi_node_body(cfg: Config, restarts: str) -> list[str]:
     """torchrun on every node of the job (srun, one task per node) or, without Slurm, on this one."""
     c, slurm = cfg.cluster, cfg.cluster.slurm
     container = [
-        f"--{flag}={value}"
+        f"--{flag}={shlex.quote(value)}"
         for flag, value in (("container-image", slurm.container_image), ("container-mounts", slurm.container_mounts))
         if value
     ]
@@ -106,15 +126,13 @@ def _multi_node_body(cfg: Config, restarts: str) -> list[str]:
         f'"${{TORCHRUN[@]}}" --nnodes {c.nodes} --nproc-per-node {c.gpus_per_node} {restarts} --rdzv-backend c10d '
         f'--rdzv-endpoint "$MASTER_ADDR:$MASTER_PORT" --rdzv-id "$RDZV_ID" "${{ENTRY[@]}}"'
     )
+    ifname = shlex.quote(slurm.socket_ifname or "")
     return [
-        f'LOG_DIR="${{PARAKIT_LOG_DIR:-{slurm.log_dir or "$RUN_DIR/logs"}}}"',
+        *([f"LOG_DIR={shlex.quote(slurm.log_dir)}"] if slurm.log_dir else ['LOG_DIR="$RUN_DIR/logs"']),
+        'LOG_DIR="${PARAKIT_LOG_DIR:-$LOG_DIR}"',
         'mkdir -p "$LOG_DIR"',
         f"export MASTER_PORT=${{MASTER_PORT:-{RDZV_PORT}}}",
-        *(
-            [f"export NCCL_SOCKET_IFNAME={slurm.socket_ifname} GLOO_SOCKET_IFNAME={slurm.socket_ifname}"]
-            if slurm.socket_ifname
-            else []
-        ),
+        *([f"export NCCL_SOCKET_IFNAME={ifname} GLOO_SOCKET_IFNAME={ifname}"] if slurm.socket_ifname else []),
         'if [[ -n "${SLURM_JOB_ID:-}" ]]; then',
         "  # the rendezvous is on the job's first node; one log per node (appended to when requeued)",
         '  MASTER_ADDR=$(scontrol show hostnames "$SLURM_JOB_NODELIST" | head -n 1)',
@@ -204,7 +222,7 @@ def launch_script(cfg: Config, layout: Layout) -> str:
     body.append(f"export {' '.join(f'{k}={v}' for k, v in TORCHRUN_ENV.items())}  # a fresh store per restart")
     body += [f"export {name}={value}  # {why}" for name, value, why, devices in RANK_ENV if c.device in devices]
     body.append(_entry(cfg))
-    restarts = f"--max-restarts ${{PARAKIT_MAX_RESTARTS:-{cfg.train.fault.max_restarts}}}"
+    restarts = f'--max-restarts "${{PARAKIT_MAX_RESTARTS:-{cfg.train.fault.max_restarts}}}"'
     if c.nodes == 1:
         body.append(
             f'"${{TORCHRUN[@]}}" --standalone --nnodes 1 --nproc-per-node {c.gpus_per_node} {restarts} "${{ENTRY[@]}}"'

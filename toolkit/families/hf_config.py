@@ -7,7 +7,7 @@ from __future__ import annotations
 import os
 from pathlib import Path
 
-from toolkit.config.schema import ModelConfig, MoeConfig, expert_ffn_size, is_moe, plain
+from toolkit.config.schema import ModelConfig, MoeConfig, as_name, expert_ffn_size, is_moe, plain
 from toolkit.families import FAMILIES, family_of
 from toolkit.formats.hf_arch import (
     ARCHITECTURE,
@@ -48,7 +48,7 @@ def model_fields(path: str | os.PathLike | None) -> dict:
     # the family's QK norm; model.moe's fields the config gives (none for a dense family) over the schema's defaults
     fields = {**fields, "qk_layernorm": family.qk_layernorm, "moe": {**plain(MoeConfig()), **fields.get("moe", {})}}
     return {
-        "name": Path(str(path)).expanduser().resolve().name,
+        "name": as_name(Path(str(path)).expanduser().resolve().name),
         "family": family.name,
         "vocab_size": c.get("vocab_size", family.default_vocab_size),
         "tie_embeddings": bool(c.get("tie_word_embeddings", True)),  # PretrainedConfig's default

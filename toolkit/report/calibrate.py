@@ -7,6 +7,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
+from toolkit.config.schema import as_name
 from toolkit.config.store import load_run_config
 from toolkit.formats.atomic import write_atomic
 from toolkit.plan.calibrate import Calibration, CalibrationError, Point, calibrate, cluster_yaml
@@ -56,7 +57,7 @@ def run_calibrate(opts) -> int:
     except CalibrationError as e:
         print(f"parakit calibrate: {e}", file=sys.stderr)
         return 1
-    name = opts.name or f"{calibration.datasheet.name}_calibrated"
+    name = opts.name or as_name(f"{calibration.datasheet.name}_calibrated")
     config_dir = Path(opts.output) if opts.output else sweep_dir / "calibrated"
     target = config_dir / "cluster" / f"{name}.yaml"
     target.parent.mkdir(parents=True, exist_ok=True)

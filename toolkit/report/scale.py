@@ -13,7 +13,7 @@ from __future__ import annotations
 import time
 from pathlib import Path
 
-from toolkit.config.schema import Config
+from toolkit.config.schema import Config, as_name
 from toolkit.plan.doublings import doublings, first_below, verdict
 from toolkit.plan.scaling import node_shape, sizes
 from toolkit.report.sweep import SweepOptions, describe_sweep, point_dir, progress_line, read_rows, run_point
@@ -127,7 +127,7 @@ def scale_command(cfg: Config, opts, user_overrides: list[str]) -> int:
 
     try:
         ranks = parse_range(opts.ranks)
-        sweep_dir = Path(opts.sweep_dir or f"scale/{cfg.model.name}-{opts.dim}-{opts.mode}")
+        sweep_dir = Path(opts.sweep_dir or f"scale/{as_name(cfg.model.name)}-{opts.dim}-{opts.mode}")
         sweep = SweepOptions(opts.warmup_steps, opts.timeout)
         print(f"{opts.mode} scaling of {opts.dim} over {opts.ranks} ranks in {sweep_dir}:", flush=True)
         run_scale(cfg, user_overrides, opts.dim, opts.mode, ranks, opts.threshold, sweep_dir, sweep)

@@ -49,7 +49,8 @@ def by_hand(cfg: Config, run_dir: Path) -> str:
     """How to start the run without Slurm: launch.sh on every node."""
     return (
         f"run it by hand on each of the {cfg.cluster.nodes} nodes (a filesystem they share holds {run_dir}):\n"
-        f"  MASTER_ADDR=<first node's address> RDZV_ID=<any id, the same on every node> {run_dir / 'launch.sh'}"
+        f"  MASTER_ADDR=<first node's address> RDZV_ID=<any id, the same on every node> "
+        f"{shlex.quote(str(run_dir / 'launch.sh'))}"
     )
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from typing import Iterator
 
 from toolkit.config.schema import Bounds, Config
@@ -31,6 +32,8 @@ def _non_finite(cfg: Config) -> Iterator[Violation]:
 
 
 def _outside(b: Bounds, value) -> bool:
+    if b.pattern is not None:
+        return any(not re.fullmatch(b.pattern, item) for item in (value if isinstance(value, list) else [value]))
     if b.choices is not None:
         return value not in b.choices
     if b.above is not None and value <= b.above:
