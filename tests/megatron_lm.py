@@ -70,8 +70,8 @@ PARSER = parser()
 
 
 def words(megatron_args_txt: str) -> list[str]:
-    """The command line launch.sh hands pretrain_gpt.py: each line's shell words."""
-    return [word for line in megatron_args_txt.splitlines() for word in shlex.split(line)]
+    """The command line launch.sh hands pretrain_gpt.py: the file's shell words, as its shlex reads them."""
+    return shlex.split(megatron_args_txt)
 
 
 def _validated(argv: list[str], world_size: int) -> argparse.Namespace:
