@@ -298,12 +298,11 @@ def _reproduce(cfg, opts) -> int:
 
 def _name(text: str) -> str:
     """A --name that becomes CONFIG_DIR/cluster/NAME.yaml and `cluster=NAME`: a name, never a path."""
-    from toolkit.config.schema import NAME
+    from toolkit.config.schema import NAME, NAME_RULE
 
     if not re.fullmatch(NAME, text):
         raise argparse.ArgumentTypeError(
-            f"{text!r} is not a name: use letters, digits, '_', '.' and '-', not starting with '.' "
-            "(it names the file cluster/NAME.yaml and the option cluster=NAME)"
+            f"{text!r} is not a name: use {NAME_RULE} (it names the file cluster/NAME.yaml and the option cluster=NAME)"
         )
     return text
 

@@ -240,6 +240,7 @@ def _bounded(default, bounds: Bounds):
 
 # A name: a config option (`cluster=NAME`), a file and folder name, the Slurm job's name.
 NAME = r"[A-Za-z0-9_][A-Za-z0-9_.-]*"
+NAME_RULE = "letters, digits, '_', '.' and '-', not starting with '.'"
 
 
 def as_name(text: str) -> str:
@@ -253,8 +254,7 @@ def a_name(default):
     return _bounded(
         default,
         Bounds(
-            "must be a name: letters, digits, '_', '.' and '-', not starting with '.' (it names files, "
-            "folders and the Slurm job)",
+            f"must be a name: {NAME_RULE} (it names files, folders and the Slurm job)",
             "set {path} to such a name",
             pattern=NAME,
             rule="name",
