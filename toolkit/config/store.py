@@ -29,13 +29,13 @@ from omegaconf import OmegaConf
 from omegaconf.errors import InterpolationResolutionError
 
 from toolkit.config import machine
-from toolkit.config.schema import Config, StackCosts
+from toolkit.config.schema import NAME, Config, StackCosts
 from toolkit.families import hf_config
 from toolkit.formats import hf_arch
 
 SCHEMA_NAME = "parakit_schema"
 CONFIG_PATH_ENV = "PARAKIT_CONFIG_PATH"
-_NAME_PART = re.compile(r"[A-Za-z0-9_][A-Za-z0-9_.-]*")
+_NAME_PART = re.compile(NAME)  # each part of an option name (`model/NAME` in a user directory)
 
 
 class SearchPathError(ValueError):
