@@ -7,6 +7,10 @@ in one JSON file, each step under its own timeout (about 8 minutes in all).
 Steps, in order (a step that fails or times out is recorded as such; the next ones still run):
 1. environment: the GPU, torch and CUDA, whether Transformer Engine, apex and flash-attn import,
    DeepSpeed's version, nvcc (megatron-core's own HAVE_TE is in the megatron run's kernels).
+1b. probe: `parakit probe -o OUT/probe --name probed`: on a GPU its bf16 GEMM rate over llama3_1b's
+   shapes, HBM bandwidth, the host's time per eager op, each backend's stack on one GPU, the
+   checkpoint write bandwidth of OUT's filesystem, NCCL with 2+ GPUs (about a minute), written as
+   the cluster file OUT/probe/cluster/probed.yaml; on CPU this machine's cached probe.
 2. megatron: llama3_1b in bf16 (the distributed optimizer), 12 steps saved at step 6; a second
    process resumes from that checkpoint: its steps 7-12 must equal the first run's.
 3. deepspeed ZeRO-1 and ZeRO-3: the same model and batch in bf16.
@@ -14,15 +18,20 @@ Steps, in order (a step that fails or times out is recorded as such; the next on
 5. fused_adam_build: how long DeepSpeed's FusedAdam takes to JIT-compile here (parakit's GPU runs
    use torch's fused AdamW instead, which needs no build).
 For every training run: median step time, tokens/s and MFU after the warm-up steps, peak memory
-allocated and reserved, each beside the planner's figure, and the attention and Adam it used.
+allocated and reserved, each beside the planner's figure, and the attention and Adam it used; and
+the planner's step time and memory for the run's own config twice, printed beside the measurement:
+on the datasheet cluster it ran with (GPU: the conf/cluster file of its model, 1xh200 on an H200)
+and on the probed one (OUT/probe's cluster file, the run's node size).
 Results go to OUT/gpu_check.json (rewritten after every step) and every step's output to
-OUT/gpu_check.log; OUT is --out, else $OUT, else a new temporary directory.
+OUT/gpu_check.log; OUT is --out, else $OUT, else a new temporary directory. `--only a,b` runs
+those steps alone (all of them take up to 650 s on a GPU).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import statistics
@@ -49,6 +58,8 @@ CPU = (
     1,
 )
 COMMON = ["cluster.nodes=1", "cluster.gpus_per_node=1", "parallel=dp", "data=synthetic", "optim.warmup_steps=1"]
+STEPS = ("environment", "probe", "megatron", "deepspeed_zero1", "deepspeed_zero3", "bench_overhead", "fused_adam_build")
+PROBED = "probed"  # the probe step's cluster file: OUT/probe/cluster/probed.yaml
 # The resumed steps equal the uninterrupted ones: exactly in fp32 on CPU; in bf16 the GPU's
 # attention backward may add in another order (FlashAttention's atomics), within this of a loss near 10.
 RESUME_TOLERANCE = {"cpu": 0.0, "gpu": 1e-2}
@@ -184,6 +195,95 @@ def figures(run_dir: Path, result: dict, skip: int) -> dict:
     return out
 
 
+def probe(check: Check, timeout: float) -> dict:
+    """`parakit probe` into OUT/probe; the constants its cluster file holds."""
+    from toolkit.config.store import compose_config
+
+    directory = check.out / "probe"
+    check.command(
+        "probe", [check.python, "-m", "toolkit.cli", "probe", "-o", str(directory), "--name", PROBED], timeout
+    )
+    cluster = compose_config([f"cluster={PROBED}"], config_dirs=[directory]).cluster
+    fields = ("gpu", "gemm_efficiency", "sm_count", "hbm_bandwidth_gbs", "op_dispatch_s", "transformer_engine")
+    fields += ("checkpoint_write_gbs_per_node", "intra_node_bandwidth_gbs", "collective_latency_s")
+    return {
+        "cluster_file": str(directory / "cluster" / f"{PROBED}.yaml"),
+        **{field: getattr(cluster, field) for field in fields},
+        "stack": {backend: dataclasses.asdict(costs) for backend, costs in cluster.stack.items()},
+    }
+
+
+def _planned(cfg) -> dict:
+    from toolkit.plan.layout import resolve
+    from toolkit.plan.memory import GIB, peak_memory
+    from toolkit.plan.perf import estimate_step
+
+    layout = resolve(cfg)
+    memory = peak_memory(cfg, layout)
+    return {
+        "cluster": cfg.cluster.name,
+        "step_time_s": estimate_step(cfg, layout).step_time,
+        "tensors_gib": memory.tensors / GIB,
+        "reserved_gib": memory.reserved / GIB,
+    }
+
+
+def predictions(check: Check, run_dir: Path) -> dict:
+    """The planner on the run's own config (its config.yaml): on the cluster it ran with (the
+    datasheet's) and on the probed cluster with the run's node size (None where no probe wrote one)."""
+    from toolkit.config.store import compose_config, load_run_config
+
+    cfg = load_run_config(run_dir)
+    out = {"datasheet": _planned(cfg), "probed": None}
+    if (check.out / "probe" / "cluster" / f"{PROBED}.yaml").is_file():
+        probed = compose_config([f"cluster={PROBED}"], config_dirs=[check.out / "probe"]).cluster
+        probed = dataclasses.replace(probed, nodes=cfg.cluster.nodes, gpus_per_node=cfg.cluster.gpus_per_node)
+        out["probed"] = _planned(dataclasses.replace(cfg, cluster=probed))
+    return out
+
+
+def _error(predicted: float, measured: float) -> str:
+    return f"{predicted / measured - 1:+.0%}" if measured else "n/a"
+
+
+def comparison(name: str, measured: dict) -> list[str]:
+    """Lines: the measured step time and memory, the datasheet's and the probed prediction beside."""
+    step, allocated, reserved = (
+        measured["step_time_s"],
+        measured["memory_allocated_gib"],
+        measured.get("memory_reserved_gib"),
+    )
+    lines = [f"{name}: step {step:.3f} s measured", f"{name}: memory {allocated:.2f} GiB allocated"]
+    if reserved is not None:
+        lines[1] += f", {reserved:.2f} reserved"
+    lines[1] += " measured"
+    for kind in ("datasheet", "probed"):
+        planned = measured.get(kind)
+        if planned is None:
+            lines[0] += f"; {kind}: none (no probed cluster)"
+            continue
+        seconds = planned["step_time_s"]
+        lines[0] += f"; {kind} (cluster={planned['cluster']}) {seconds:.3f} s {_error(seconds, step)}"
+        lines[1] += f"; {kind} {planned['tensors_gib']:.2f} {_error(planned['tensors_gib'], allocated)}"
+        if reserved is not None:
+            lines[1] += f", {planned['reserved_gib']:.2f} {_error(planned['reserved_gib'], reserved)}"
+    return lines
+
+
+def compared(check: Check, name: str, run_dir: Path, measured: dict) -> dict:
+    """`measured` with the two predictions, printed beside it (a prediction that fails to compute
+    is recorded as such: the measurement stands)."""
+    try:
+        measured |= predictions(check, run_dir)
+    except Exception as error:
+        measured["predictions_error"] = f"{type(error).__name__}: {error}"
+        print(f"gpu_check: {name}: no predictions: {measured['predictions_error']}", flush=True)
+        return measured
+    for line in comparison(name, measured):
+        print(f"gpu_check: {line}", flush=True)
+    return measured
+
+
 def megatron_resume(check: Check, size, timeout: float) -> dict:
     """The run, saved at step 6 (and at its end); then a second process resumes from step 6's
     checkpoint alone: its steps 7-12 must be the first run's."""
@@ -194,7 +294,7 @@ def megatron_resume(check: Check, size, timeout: float) -> dict:
     deadline = time.monotonic() + timeout
     whole = check.out / "megatron_whole"
     result = check.train("megatron", whole, [*base, f"checkpoint.interval_steps={at}"], timeout)
-    measured = figures(whole, result, skip)
+    measured = compared(check, "megatron", whole, figures(whole, result, skip))
     shutil.rmtree(whole / "checkpoints" / f"step_{steps:08d}")  # the newest left is step `at`'s
     resumed = check.out / "megatron_resumed"
     left = deadline - time.monotonic()
@@ -217,7 +317,8 @@ def deepspeed_run(check: Check, size, zero: int, timeout: float) -> dict:
     overrides, steps, _, skip = size
     run_dir = check.out / f"deepspeed_zero{zero}"
     argv = [*overrides, *COMMON, "backend=deepspeed", f"zero={zero}", f"train.steps={steps}"]
-    return figures(run_dir, check.train(f"deepspeed zero{zero}", run_dir, argv, timeout), skip)
+    measured = figures(run_dir, check.train(f"deepspeed zero{zero}", run_dir, argv, timeout), skip)
+    return compared(check, f"deepspeed_zero{zero}", run_dir, measured)
 
 
 def bench_overhead(check: Check, timeout: float) -> dict:
@@ -232,17 +333,51 @@ def bench_overhead(check: Check, timeout: float) -> dict:
     return json.loads(result.read_text())["megatron"]
 
 
+def datasheet_size(device_name: str):
+    """The GPU size on the conf/cluster file of this GPU's model (1xh200 where none matches)."""
+    from toolkit.config.store import datasheet_cluster
+
+    cluster = f"cluster={datasheet_cluster(device_name) or '1xh200'}"
+    overrides, *rest = GPU
+    return ([cluster if o.startswith("cluster=") else o for o in overrides], *rest)
+
+
+def summary(steps: dict) -> list[str]:
+    """A table of the training runs: measured step time and memory, each prediction beside."""
+    rows = [(name, step) for name, step in steps.items() if "step_time_s" in step]
+    if not rows:
+        return []
+    lines = [
+        "predicted beside measured (error: predicted / measured - 1)",
+        f"{'run':<17}{'step s':>8}{'datasheet':>17}{'probed':>17}{'alloc GiB':>11}{'datasheet':>17}{'probed':>17}",
+    ]
+    for name, step in rows:
+        line = f"{name:<17}{step['step_time_s']:>8.3f}"
+        cells = []
+        for key, measured in (("step_time_s", step["step_time_s"]), ("tensors_gib", step["memory_allocated_gib"])):
+            for kind in ("datasheet", "probed"):
+                planned = step.get(kind)
+                cells.append(f"{planned[key]:>9.3f} ({_error(planned[key], measured):>5})" if planned else f"{'-':>17}")
+        line += "".join(cells[:2]) + f"{step['memory_allocated_gib']:>11.2f}" + "".join(cells[2:])
+        lines.append(line)
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="the same steps at toy size on CPU (a dry run)")
     parser.add_argument("--out", type=Path, help="where gpu_check.json and gpu_check.log go (default $OUT)")
     parser.add_argument("--python", default=sys.executable, help="the Python every step runs in (default: this one)")
+    parser.add_argument("--only", help=f"comma-separated steps to run, of {','.join(STEPS)} (default: all)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         args.result.write_text(json.dumps(WORKERS[args.worker]()))
         return 0
+    only = args.only.split(",") if args.only else list(STEPS)
+    if set(only) - set(STEPS):
+        parser.error(f"--only: no step {', '.join(sorted(set(only) - set(STEPS)))}; the steps: {', '.join(STEPS)}")
     import torch
 
     if not args.cpu and not torch.cuda.is_available():
@@ -254,15 +389,23 @@ def main(argv: list[str] | None = None) -> int:
     out = args.out or Path(os.environ.get("OUT") or tempfile.mkdtemp(prefix="parakit-gpu-check-"))
     out.mkdir(parents=True, exist_ok=True)
     check = Check(out, "cpu" if args.cpu else "gpu", args.python)
-    size = CPU if args.cpu else GPU
-    # Timeouts, seconds, 530 in all (a 1B model: ~20 s to import and build, ~20 s per 17 GB save or
-    # load of megatron's distributed-optimizer checkpoint; DeepSpeed initialises it on the host first).
-    check.step("environment", 40, lambda t: check.worker("environment", t))
-    check.step("megatron", 170, lambda t: megatron_resume(check, size, t))
-    for zero in (1, 3):
-        check.step(f"deepspeed_zero{zero}", 90, lambda t, zero=zero: deepspeed_run(check, size, zero, t))
-    check.step("bench_overhead", 80, lambda t: bench_overhead(check, t))
-    check.step("fused_adam_build", 60, lambda t: check.worker("fused_adam_build", t))
+    size = CPU if args.cpu else datasheet_size(torch.cuda.get_device_name(0))
+    # Timeouts, seconds, 650 in all (a 1B model: ~20 s to import and build, ~20 s per 17 GB save or
+    # load of megatron's distributed-optimizer checkpoint; DeepSpeed initialises it on the host first;
+    # the GPU probe about a minute, the CPU one cached, else measured once: about two).
+    steps = {
+        "environment": (40, lambda t: check.worker("environment", t)),
+        "probe": (300 if args.cpu else 120, lambda t: probe(check, t)),
+        "megatron": (170, lambda t: megatron_resume(check, size, t)),
+        **{f"deepspeed_zero{zero}": (90, lambda t, zero=zero: deepspeed_run(check, size, zero, t)) for zero in (1, 3)},
+        "bench_overhead": (80, lambda t: bench_overhead(check, t)),
+        "fused_adam_build": (60, lambda t: check.worker("fused_adam_build", t)),
+    }
+    for name in STEPS:
+        if name in only:
+            check.step(name, *steps[name])
+    for line in summary(check.results["steps"]):
+        print(f"gpu_check: {line}")
     failed = [name for name, step in check.results["steps"].items() if step["status"] != "ok"]
     print(f"gpu_check: results in {out / 'gpu_check.json'}" + (f"; not ok: {', '.join(failed)}" if failed else ""))
     return 1 if failed else 0

@@ -25,6 +25,7 @@ def checked(tmp_path_factory):
         timeout=600,
     )
     assert result.returncode == 0, result.stdout[-2000:] + (out / "gpu_check.log").read_text()[-4000:]
+    (out / "stdout.txt").write_text(result.stdout)
     return out, json.loads((out / "gpu_check.json").read_text())["steps"]
 
 
@@ -32,6 +33,7 @@ def test_every_step_ran_and_the_environment_is_this_machines(checked):
     _, steps = checked
     assert list(steps) == [
         "environment",
+        "probe",
         "megatron",
         "deepspeed_zero1",
         "deepspeed_zero3",
@@ -77,3 +79,45 @@ def test_bench_overhead_compared_the_same_work(checked):
     _, steps = checked
     bench = steps["bench_overhead"]
     assert bench["max_loss_difference"] == 0.0 and bench["parakit_s"] > 0 and bench["bare_s"] > 0
+
+
+def test_the_probe_wrote_a_cluster_file_and_each_run_is_predicted_on_it_and_on_its_datasheet(checked):
+    """Each run's step time and memory beside the planner's on the cluster it ran with (on CPU the
+    cpu cluster, its figures the cached probe's) and on the cluster file `parakit probe` wrote (the
+    same figures here: the two predictions must agree), in the JSON and printed."""
+    out, steps = checked
+    probe = steps["probe"]
+    assert probe["cluster_file"] == str(out / "probe" / "cluster" / "probed.yaml")
+    assert probe["hbm_bandwidth_gbs"] > 0 and set(probe["stack"]) == {"megatron", "deepspeed"}
+    printed = (out / "stdout.txt").read_text()
+    for name in ("megatron", "deepspeed_zero1", "deepspeed_zero3"):
+        step = steps[name]
+        datasheet, probed = step["datasheet"], step["probed"]
+        assert datasheet["cluster"] == "cpu" and probed["cluster"] == "probed"
+        assert datasheet["step_time_s"] == pytest.approx(step["predicted_step_time_s"], rel=1e-9)
+        assert datasheet["tensors_gib"] == pytest.approx(step["predicted_tensors_gib"], rel=1e-9)
+        assert probed["step_time_s"] == pytest.approx(datasheet["step_time_s"], rel=1e-9)
+        assert probed["tensors_gib"] == pytest.approx(datasheet["tensors_gib"], rel=1e-9)
+        line = next(line for line in printed.splitlines() if line.startswith(f"gpu_check: {name}: step "))
+        assert f"{step['step_time_s']:.3f} s measured; datasheet (cluster=cpu) {datasheet['step_time_s']:.3f} s" in line
+        assert f"probed (cluster=probed) {probed['step_time_s']:.3f} s" in line
+        assert any(row.startswith(f"gpu_check: {name} ") for row in printed.splitlines())  # the summary table
+
+
+def test_only_runs_the_steps_named(tmp_path):
+    result = subprocess.run(
+        [python(), "scripts/gpu_check.py", "--cpu", "--out", str(tmp_path), "--only", "environment"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    assert list(json.loads((tmp_path / "gpu_check.json").read_text())["steps"]) == ["environment"]
+    wrong = subprocess.run(
+        [python(), "scripts/gpu_check.py", "--cpu", "--only", "environment,prob"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+    )
+    assert wrong.returncode == 2 and "--only: no step prob" in wrong.stderr

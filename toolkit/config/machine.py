@@ -8,6 +8,10 @@ toolkit.config.cache.cache_root()) in a file named by the machine's fingerprint 
 the torch, megatron-core and DeepSpeed versions, the probe's own version): another machine, or a
 new torch, probes again.
 
+On a CUDA machine `parakit probe` measures the GPUs instead (machine_probe.probe_gpu), every time;
+its figures are kept under a fingerprint that adds the GPUs, and reach the planner through the
+cluster file it writes (the GPU's datasheet file with them), never through `probed`.
+
 A run directory's config.yaml holds the resolved numbers, so a run is planned and reported with
 the constants it was trained with, wherever it is read later.
 """
@@ -73,9 +77,22 @@ def _fingerprint() -> str:
     )
 
 
-def fingerprint() -> dict:
-    """What a probe's figures depend on."""
-    return json.loads(_fingerprint())
+def fingerprint(device: str = "cpu") -> dict:
+    """What a probe's figures depend on (on a GPU also the GPUs, their count and CUDA's version)."""
+    print_ = json.loads(_fingerprint())
+    if device == "cuda":
+        import torch
+
+        count = torch.cuda.device_count()
+        print_ |= {"gpu": torch.cuda.get_device_name(0), "gpus": count, "cuda": torch.version.cuda}
+    return print_
+
+
+def probe_device() -> str:
+    """ "cuda" where torch sees a GPU (`parakit probe` then measures the GPUs), else "cpu"."""
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
 
 
 def cache_dir() -> Path:
@@ -101,26 +118,34 @@ def _locked(path: Path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
-def run_probe(force: bool = False) -> dict:
-    """This machine's probe: the cached one, or a new one (then cached). Progress on stderr."""
-    target = cache_path()
+def run_probe(force: bool = False, device: str = "cpu", write_dir: str | Path = ".") -> dict:
+    """This machine's probe: the cached one, or a new one (then cached). Progress on stderr.
+    device="cuda": its GPUs, always measured anew (nothing composes from that cache: the cluster
+    file `parakit probe` writes holds the figures), the checkpoint write bandwidth in `write_dir`."""
+    print_ = fingerprint(device)
+    target = cache_path(print_)
     with _locked(target):
-        if target.is_file() and not force:
+        if target.is_file() and not force and device == "cpu":
             return json.loads(target.read_text())
-        print(
-            f"parakit: measuring this machine for the planner (once; cached in {target}; `parakit probe` "
-            f"re-measures, {PROBE_ENV}=0 uses the guesses): about a minute",
-            file=sys.stderr,
-            flush=True,
-        )
+        if device == "cuda":
+            message = f"parakit: measuring this machine's GPUs for the planner (kept in {target}): about a minute"
+        else:
+            message = (
+                f"parakit: measuring this machine for the planner (once; cached in {target}; `parakit probe` "
+                f"re-measures, {PROBE_ENV}=0 uses the guesses): about a minute"
+            )
+        print(message, file=sys.stderr, flush=True)
+        command = [sys.executable, "-m", "toolkit.train.machine_probe"]
+        if device == "cuda":
+            command += ["--device", "cuda", "--write-dir", str(write_dir)]
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "probe.json"
             env = {**os.environ, PROBE_ENV: "0"}
-            done = subprocess.run([sys.executable, "-m", "toolkit.train.machine_probe", "--output", str(out)], env=env)
+            done = subprocess.run([*command, "--output", str(out)], env=env)
             if done.returncode or not out.is_file():
                 raise ProbeError(f"the machine probe failed (exit {done.returncode}); {PROBE_ENV}=0 plans with guesses")
             result = json.loads(out.read_text())
-        result["fingerprint"] = fingerprint()
+        result["fingerprint"] = print_
         partial = target.with_suffix(".partial")
         partial.write_text(json.dumps(result, indent=1))
         partial.replace(target)  # never a half-written cache

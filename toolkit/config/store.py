@@ -231,3 +231,18 @@ def compose_config(overrides: list[str] | None = None, config_dirs: Sequence[str
     final = hydra_overrides(list(overrides or []), dirs)
     with initialize_config_dir(config_dir=str(dirs[0]), version_base="1.3"):
         return to_config(compose(config_name="config", overrides=final))
+
+
+def datasheet_cluster(device_name: str) -> str | None:
+    """The conf/cluster file of this GPU model: the first cuda file whose `gpu` starts with the
+    model in torch's device name ("NVIDIA H200" -> H200 -> 1xh200's H200-SXM; "NVIDIA A100-SXM4-80GB"
+    -> A100), one-node files first; None where none does."""
+    models = re.findall(r"\b([A-Z]\d{2,3})", device_name.upper())
+    found = []
+    for path in sorted((conf_dir() / "cluster").glob("*.yaml")):
+        cluster = OmegaConf.load(path)
+        if cluster.get("device") != "cuda" or not models:
+            continue
+        if str(cluster.get("gpu", "")).upper().startswith(models[0]):
+            found.append((cluster.get("nodes", 1) != 1, path.stem))
+    return min(found)[1] if found else None

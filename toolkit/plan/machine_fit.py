@@ -17,6 +17,11 @@ planner, given the constants, reproduces the measured times:
   of Collective Communication Operations in MPICH", section 4): an all-reduce over g ranks takes
   2(g-1) steps of latency alpha and moves 2(g-1)/g of the bytes; all-gather and reduce-scatter
   half of that; a point-to-point send one step and all the bytes.
+- GPUs (gpu_constants): the datasheet's peak stays; gemm_efficiency is what makes the planner's
+  GPU GEMM (kernels.gemm_time: tile and wave quantization over the measured SM count, the
+  output's store) take the measured times of the model's GEMMs and a large square one. HBM:
+  STREAM's triad (a = b + q*c, 3 arrays moved). NCCL's collectives fitted to the same ring, each
+  row's bytes the whole collective's (nccl_groups), as the planner passes them.
 
 Pure arithmetic (numpy and scipy), no torch.
 """
@@ -27,7 +32,7 @@ import math
 import statistics
 
 from toolkit.plan.collectives import COLLECTIVE_EFFICIENCY
-from toolkit.plan.kernels import shape_efficiency
+from toolkit.plan.kernels import gemm_time, shape_efficiency
 from toolkit.plan.perf import estimate_step
 
 # (layers, vocabulary) of the stack probe's runs: the first is the base, the second adds layers,
@@ -131,9 +136,12 @@ def cluster_constants(raw: dict) -> dict[str, float]:
     }
 
 
-def stack_overrides(backend: str, layers: int, vocab: int, tp: int = 1) -> list[str]:
-    """`tp` ranks (one model replica), the tiny model, two micro-batches of 2 x 128 tokens, fp32, ZeRO-1."""
+def stack_overrides(backend: str, layers: int, vocab: int, tp: int = 1, cluster: list[str] | None = None) -> list[str]:
+    """`tp` ranks (one model replica), the tiny model, two micro-batches of 2 x 128 tokens, ZeRO-1;
+    on this machine's CPU cluster in fp32, or on the cluster and precision `cluster` overrides
+    give (the GPU probe: its datasheet file, bf16)."""
     return [
+        *(cluster or ["precision=fp32"]),
         f"backend={backend}",
         "model=tiny",
         f"model.num_layers={layers}",
@@ -143,7 +151,6 @@ def stack_overrides(backend: str, layers: int, vocab: int, tp: int = 1) -> list[
         "parallel=dp",
         f"parallel.tp={tp}",
         "zero='1'",
-        "precision=fp32",
         "train.global_batch=4",
         "train.micro_batch=2",
         "train.steps=100",
@@ -151,10 +158,13 @@ def stack_overrides(backend: str, layers: int, vocab: int, tp: int = 1) -> list[
     ]
 
 
-def fit_stack(backend: str, seconds: list[float], constants: dict[str, float]) -> dict[str, float]:
+def fit_stack(
+    backend: str, seconds: list[float], constants: dict[str, float], cluster: list[str] | None = None
+) -> dict[str, float]:
     """The backend's StackCosts from the measured step seconds of STACK_POINTS (and, where it has
     tensor parallel, of the second point at tp=2), given the cluster constants fitted before:
-    what the planner, without stack costs, leaves unexplained."""
+    what the planner, without stack costs, leaves unexplained. `cluster`: the overrides the
+    points ran with (stack_overrides)."""
     import dataclasses
 
     from toolkit.config.store import compose_config
@@ -163,7 +173,7 @@ def fit_stack(backend: str, seconds: list[float], constants: dict[str, float]) -
     points = [(*p, 1) for p in STACK_POINTS] + [(*STACK_POINTS[1], 2)] * (len(seconds) > len(STACK_POINTS))
     predicted, sizes = [], []
     for layers, vocab, tp in points:
-        cfg = compose_config(stack_overrides(backend, layers, vocab, tp))
+        cfg = compose_config(stack_overrides(backend, layers, vocab, tp, cluster))
         cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, **constants, stack={}))
         layout = resolve(cfg)
         predicted.append(estimate_step(cfg, layout).step_time)
@@ -178,3 +188,80 @@ def fit_stack(backend: str, seconds: list[float], constants: dict[str, float]) -
         explained = layer * sizes[3][0] + logit * sizes[3][1] + step
         costs["tp_layer_s"] = max(0.0, (unexplained[3] - explained) / sizes[3][0])
     return costs
+
+
+# --- GPUs (toolkit.train.machine_probe.probe_gpu) ---------------------------------------------
+
+
+def fit_gemm_efficiency(rows: list[list[float]], cluster, peak: float, out_bytes: int = 2) -> float:
+    """The gemm_efficiency at which the planner's GPU GEMM (kernels.gemm_time: the tile- and
+    wave-quantized rate of `cluster.sm_count` SMs, plus the output's store through HBM) takes the
+    measured [M, N, K, seconds] rows' times: least squares on log time, against `peak` FLOP/s."""
+
+    def residuals(x):
+        (efficiency,) = x
+        return [math.log(gemm_time(cluster, m, n, k, peak * efficiency, out_bytes) / t) for m, n, k, t in rows]
+
+    return _least_squares(residuals, [0.7])[0]
+
+
+def nccl_groups(groups: dict[str, dict[str, list[list[float]]]]) -> dict[str, dict[str, list[list[float]]]]:
+    """The collectives' rows with each row's bytes the whole collective's, as the planner's ring_time
+    takes them (and nccl-tests' "size": an all-gather's output, a reduce-scatter's input): the probe
+    records each rank's tensor, which for these two is one of the group's `size` shards."""
+    return {
+        size: {
+            kind: [[b * (int(size) if kind in ("all_gather", "reduce_scatter") else 1), t] for b, t in rows]
+            for kind, rows in kinds.items()
+        }
+        for size, kinds in groups.items()
+    }
+
+
+def bus_bandwidth(kind: str, nbytes: float, group: int, seconds: float) -> float:
+    """nccl-tests' bus bandwidth (doc/PERFORMANCE.md) of a collective of `nbytes` (its whole size):
+    algbw = size / time, times 2(n-1)/n for an all-reduce, (n-1)/n for an all-gather or a
+    reduce-scatter: what each link carried, comparable with the hardware's bandwidth."""
+    return nbytes / seconds * RING_FACTORS[kind] * (group - 1) / group
+
+
+def gpu_constants(raw: dict, datasheet, measured_peaks: bool = False) -> dict:
+    """The ClusterConfig fields a GPU probe's raw figures give, against the `datasheet` cluster
+    (its peaks and gemm_half_size): the median over the node's GPUs of each compute figure, rank
+    0's collectives. `measured_peaks` (a GPU no datasheet describes): the peaks are the square
+    GEMMs' measured rates."""
+    from types import SimpleNamespace
+
+    ranks, gpu = raw["per_rank"], raw["gpu"]
+    hbm = statistics.median(b / t for b, t in (r["triad"] for r in ranks))
+    square = [2 * m * n * k / t for m, n, k, t in (r["gemm_bf16"][-1] for r in ranks)]
+    out: dict = {}
+    peak = datasheet.peak_tflops_bf16 * 1e12
+    if measured_peaks or not peak:
+        peak = statistics.median(square)
+        fp32 = statistics.median(2 * m * n * k / t for m, n, k, t in (r["square_fp32"] for r in ranks))
+        out |= {"peak_tflops_bf16": peak / 1e12, "peak_tflops_fp16": peak / 1e12, "peak_tflops_fp32": fp32 / 1e12}
+        out |= {"peak_tflops_fp8": 0.0, "gpu_memory_gb": gpu["memory_gb"]}
+    model = SimpleNamespace(
+        sm_count=gpu["sm_count"], gemm_half_size=datasheet.gemm_half_size, hbm_bandwidth_gbs=hbm / 1e9
+    )
+    out |= {
+        "gemm_efficiency": statistics.median(fit_gemm_efficiency(r["gemm_bf16"], model, peak) for r in ranks),
+        "sm_count": gpu["sm_count"],
+        "hbm_bandwidth_gbs": hbm / 1e9,
+        "op_dispatch_s": statistics.median(r["dispatch"]["autograd_s"] for r in ranks),
+        "transformer_engine": bool(raw["transformer_engine"]),
+        "checkpoint_write_gbs_per_node": raw["write"]["bytes"] / raw["write"]["seconds"] / 1e9,
+    }
+    if len(ranks) >= 2:  # the node's chips, fastest to slowest, as a fraction of their median
+        out["gemm_chip_spread"] = (max(square) - min(square)) / statistics.median(square)
+    collectives = ranks[0].get("collectives")
+    if collectives:
+        groups = nccl_groups(collectives)
+        bandwidth, latency = fit_collectives(groups)
+        out |= {"intra_node_bandwidth_gbs": bandwidth / 1e9, "collective_latency_s": latency}
+        pairs = groups.get(str(len(ranks)), {}).get("send_recv")
+        if pairs:
+            p2p_bandwidth, p2p_latency = fit_p2p(pairs)
+            out |= {"p2p_bandwidth_gbs": p2p_bandwidth / 1e9, "p2p_latency_s": p2p_latency}
+    return out
