@@ -122,7 +122,8 @@ def _kernels(cfg, run: dict):
     fused = backend_named(run["kernels"])
     return dataclasses.replace(
         backend,
-        elementwise_traffic=fused.elementwise_traffic,
+        eager_layers=fused.eager_layers,
+        layer_dispatches=fused.layer_dispatches,
         loss_logit_passes=fused.loss_logit_passes,
         loss_fresh_logits=fused.loss_fresh_logits,
     )

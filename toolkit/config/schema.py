@@ -678,6 +678,21 @@ class ClusterConfig:
     # 132): a GEMM's output tiles run in waves of this many (toolkit.plan.kernels.wave_efficiency).
     # null (CPU): GEMMs follow the gemm_half_size saturation curve.
     sm_count: Optional[int] = at_least_one(None)
+    # Whether the training machines have Transformer Engine (or apex): megatron-core then steps its
+    # FusedAdam; without, torch's AdamW in its default multi-tensor (foreach) form. `parakit probe`
+    # records it.
+    transformer_engine: bool = True
+    # Host seconds to issue one eager PyTorch operation to the device (Python, the dispatcher and
+    # autograd, the kernel launch: about 5-25 us, J. Lin, "From PyTorch op to kernel launch"). A
+    # kernel that runs shorter than this waits on the host (toolkit.plan.kernels.dispatched_time);
+    # `parakit probe` measures it.
+    op_dispatch_s: float = non_negative(10e-6)
+    # Host seconds DeepSpeed ZeRO-3 spends on one module's parameter fetch or release (its hooks and
+    # partitioned-parameter coordinator: trace, all-gather launch and wait, release), four per module
+    # and micro-batch, during which the device waits. parakit's tiny model (75 modules) on one CPU
+    # rank, DeepSpeed 0.19.8: ZeRO-3 took 0.39 s more than ZeRO-1 per 4 micro-batches, 326 us per
+    # fetch or release; `parakit probe` measures it.
+    zero3_module_s: float = non_negative(326e-6)
     # Fixed time every optimizer step costs beside its modelled work (framework and Python
     # dispatch, kernel launches, synchronisation): 0 for a datasheet cluster, fitted by
     # `parakit calibrate` from a measured sweep.
@@ -693,6 +708,16 @@ class ClusterConfig:
     stack: dict[str, StackCosts] = field(default_factory=dict)
     gpu_mtbf_hours: float = 50_000.0  # mean time between failures of one device
     checkpoint_write_gbs_per_node: float = 2.0  # sustained checkpoint write bandwidth per node
+    # The network: inter_node_bandwidth_gbs is one NIC's line rate (one GPU's port on a rail-optimised
+    # fabric), and a node has nics_per_node of them (null: one per GPU). NCCL runs a ring over nodes
+    # with a channel per NIC, so a group with r ranks on each node crosses over r GPUs' share of the
+    # node's NICs (toolkit.plan.collectives.bus_gbs).
+    nics_per_node: Optional[int] = at_least_one(None)
+    # NVLink SHARP (NVSwitch reduces all-reduces inside the node: HGX H100/H200, NCCL >= 2.17) and
+    # InfiniBand SHARP (the switches reduce across nodes: NCCL's CollNet with the SHARP plugin): count
+    # only where the cluster has and enables them.
+    nvls: bool = False
+    sharp: bool = False
     slurm: SlurmConfig = field(default_factory=SlurmConfig)  # multi-node runs: what sbatch asks for
 
 

@@ -143,11 +143,42 @@ class Backend:
     # value it applies; empty: every parameter is honoured.
     rope_scaling_fixed: tuple[tuple[str, float], ...]
     # Performance model.
-    elementwise_traffic: float  # bytes moved by element-wise kernels, relative to fused kernels
+    # The layers' element-wise work (norms, RoPE, activation, residual adds): False, fused kernels
+    # moving the bytes toolkit.plan.perf's fused count gives; True, the eager PyTorch passes of a
+    # transformers model (toolkit.plan.kernels.EAGER_LAYER_BYTES).
+    eager_layers: bool
+    # Operations the PyTorch dispatcher runs (views and autograd's backward ops included) per layer
+    # and micro-batch, forward and backward with the gradient hooks, and per layer and optimizer
+    # step beside a fixed number per step: what the host issues (cluster.op_dispatch_s each),
+    # counted in the backend's training loop on one CPU rank by tests/test_layer_dispatches.py.
+    layer_dispatches: int
+    step_dispatches_per_layer: int
+    step_dispatches: int
+    # The Adam kernel it steps where the machines have Transformer Engine (cluster.transformer_engine)
+    # and where they have a plain CUDA torch: "fused" (one pass: torch's fused AdamW, apex's or
+    # Transformer Engine's FusedAdam) or "foreach" (torch's multi-tensor AdamW, a pass per operation).
+    adam: str
+    plain_torch_adam: str
     # The loss on the last stage: passes over the fp32 logits (reads and writes, forward and
-    # backward), and new logits-sized tensors it allocates (the logits included).
+    # backward; a 16-bit run adds the upcast and the gradient's downcast), and new logits-sized
+    # tensors it allocates (the logits included).
     loss_logit_passes: int
     loss_fresh_logits: int
+    # What the loss holds per logit at its peak, beside the 16-bit logits: its fp32 upcast kept
+    # through the loss (worked on in place), and further fp32 logits-sized tensors.
+    loss_keeps_upcast: bool
+    loss_fp32_logits: int
+    # Whether the trainer holds a micro-batch's 16-bit logits until the next micro-batch's forward
+    # has returned: the caching allocator then keeps their freed block, which the loss's fp32
+    # requests cannot reuse, beside the loss's own blocks (reserved, not allocated, at the peak).
+    holds_previous_logits: bool
+    # Bytes per parameter and micro-batch that adding a micro-batch's 16-bit gradient into the fp32
+    # gradient moves besides the weight-gradient GEMM's own write (16-bit training).
+    grad_accumulation_bytes: int
+    # Whether the model's norms are eager transformers RMSNorms (autograd keeps their fp32 upcast
+    # input and 16-bit normalized values besides the output) and its gated activation eager
+    # (silu's output kept besides its inputs); toolkit.plan.memory.layer_activation_bytes.
+    eager_norm_activations: bool
     grad_reduce: GradReduce
     # Checkpoints, weights and launch.
     checkpoint_format: str
@@ -203,12 +234,31 @@ MEGATRON = Backend(
         ("high_freq_factor", 4.0),
         ("original_max_position_embeddings", 8192),
     ),
-    elementwise_traffic=1.0,  # fused kernels (Transformer Engine)
-    # megatron-core's vocab-parallel cross entropy works in place on the logits
+    # Fused element-wise kernels: with Transformer Engine its own; without it (local spec) torch's
+    # RMSNorm and megatron-core's SwiGLU and RoPE, which on the H200 without Transformer Engine
+    # ran within 1.5% of the fused count's step (scripts/data/gpu_measured_points.yaml).
+    eager_layers=False,
+    layer_dispatches=265,
+    # the distributed optimizer's per-parameter copies and megatron-core's local multi_tensor_applier
+    # (norm, scale) loop over every tensor without apex or Transformer Engine
+    step_dispatches_per_layer=112,
+    step_dispatches=97,
+    adam="fused",  # Transformer Engine's FusedAdam
+    plain_torch_adam="foreach",  # megatron-core optimizer/__init__.py: Adam = torch.optim.AdamW
+    # megatron-core's vocab-parallel cross entropy works in place on the fp32 upcast of the logits
     # (tensor_parallel/cross_entropy.py): max, subtract, exp, sum, divide forward (7 passes),
-    # target update and scale backward (2); only the logits themselves are a new tensor.
+    # target update and scale backward (2); only the logits themselves are a new tensor. At its
+    # peak the 16-bit logits (still referenced by GPTModel.forward) and the upcast are alive.
     loss_logit_passes=9,
     loss_fresh_logits=1,
+    loss_keeps_upcast=True,
+    loss_fp32_logits=0,
+    holds_previous_logits=False,  # GPTModel returns the loss; the schedule keeps no logits
+    # DDP's backward hook: param.main_grad.add_(param.grad) (megatron-core distributed/
+    # param_and_grad_buffer.py; gradient_accumulation_fusion is off in parakit's runs, it needs
+    # apex or Transformer Engine): reads the 16-bit and the fp32 gradient, writes the fp32 one.
+    grad_accumulation_bytes=2 + 4 + 4,
+    eager_norm_activations=False,
     grad_reduce=GradReduce.OVERLAPPED_BUCKETS,
     checkpoint_format="megatron-core dist_checkpointing, fully reshardable (loads at any dp/tp/pp)",
     async_save=True,
@@ -258,15 +308,30 @@ DEEPSPEED = Backend(
     shards_params_from_stage=3,
     nan_skip_needs_overflow_check=True,
     rope_scaling_fixed=(),  # transformers reads every llama3 parameter from rope_parameters
-    # Eager PyTorch launches each element-wise op separately and moves about 2.5x the bytes
-    # (e.g. RMSNorm as pow, mean, rsqrt, mul, mul).
-    elementwise_traffic=2.5,
+    # transformers' Llama layer in eager PyTorch: RMSNorm as upcast, pow, mean, rsqrt, mul, downcast,
+    # mul; RoPE as slices, neg, cat, mul, add; SwiGLU as silu, mul; each a kernel of its own.
+    eager_layers=True,
+    layer_dispatches=264,
+    step_dispatches_per_layer=18,
+    step_dispatches=113,
+    adam="fused",  # toolkit.emit.deepspeed: torch_adam with fused=True on GPUs, either way
+    plain_torch_adam="fused",
     # torch's cross_entropy (log_softmax + nll_loss): log_softmax reads the logits twice and writes
     # its output, nll_loss's backward writes a zeroed gradient, log_softmax's backward reads it
     # and the output and writes the logits' gradient (8 passes); the logits, the log-probabilities
-    # and the two gradients are new tensors.
+    # and the two gradients are new tensors. At the peak (log_softmax's backward) the 16-bit logits
+    # (the model's output, held by the trainer), the log-probabilities, their gradient and the
+    # logits' fp32 gradient are alive; the upcast was freed once log_softmax read it.
     loss_logit_passes=8,
     loss_fresh_logits=4,
+    loss_keeps_upcast=False,
+    loss_fp32_logits=3,
+    holds_previous_logits=True,  # toolkit.train.deepspeed_backend: `out` lives until rebound
+    # ZeRO-1 in bf16 (BF16_Optimizer, runtime/bf16_optimizer.py _update_hp_grad):
+    # hp_grad.add_(lp.grad.to(float32)) then lp.grad.zero_(): an upcast (2 read, 4 written), the add
+    # (4 + 4 read, 4 written) and the zeroing (2 written).
+    grad_accumulation_bytes=6 + 12 + 2,
+    eager_norm_activations=True,
     grad_reduce=GradReduce.ZERO_STAGED,
     checkpoint_format="DeepSpeed engine checkpoint (zero_to_fp32 consolidates it)",
     async_save=False,

@@ -4,6 +4,7 @@ the device sustains (peak FLOP/s, a job's slowest chip)."""
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 
@@ -25,6 +26,33 @@ FRESH_BYTES = 32 * 2**20
 FP8_GEMM_FRACTION = 0.95
 
 
+# Bytes the element-wise kernels of one eager transformers Llama layer (LlamaDecoderLayer: RMSNorm as
+# upcast, pow, mean, rsqrt, mul, downcast and weight mul; RoPE as slices, neg, cat, mul and add;
+# SwiGLU as silu and mul; the residual adds) read and write per token, forward and backward, the
+# attention kernel and GEMMs left out: per unit of the hidden size (by the activations' bytes: in
+# 16 bits the norms also pass fp32 upcasts), of the FFN size and of the q and k/v widths, and per token
+# (the norms' per-token statistics, the rotary tables). Counted
+# operation by operation (each op's input and output tensors) under a dispatch mode; asserted by
+# tests/test_layer_dispatches.py.
+EAGER_LAYER_BYTES = {2: (308, 28, 56, 638), 4: (336, 56, 112, 1156)}  # activation bytes -> (h, ffn, q + kv, 1)
+
+
+def eager_layer_bytes(tokens: float, h_tokens: float, ffn_tokens: float, qkv_tokens: float, nbytes: int) -> float:
+    """Bytes the eager element-wise kernels of one layer move, forward and backward, over `tokens`:
+    `h_tokens` hidden-size values (tokens x h, split by sequence parallel), `ffn_tokens` FFN values
+    (tokens x FFN size on this rank) and `qkv_tokens` q and k/v values (tokens x (q + kv) on this rank)."""
+    per_h, per_ffn, per_qkv, per_token = EAGER_LAYER_BYTES[4 if nbytes >= 4 else 2]
+    return per_h * h_tokens + per_ffn * ffn_tokens + per_qkv * qkv_tokens + per_token * tokens
+
+
+def dispatched_time(device_s: float, host_s: float) -> float:
+    """Seconds of work that keeps the device busy for device_s and the host for host_s issuing it
+    (about 5-25 us of host work per eager PyTorch op: Python, the dispatcher, autograd and the
+    launch; J. Lin, "From PyTorch op to kernel launch"): the host issues operations ahead of the
+    device, so the slower of the two sets the pace."""
+    return max(device_s, host_s)
+
+
 def shape_efficiency(half_size: float, *dims: float) -> float:
     """Fraction of large-GEMM throughput left for a GEMM with these per-GPU dimensions (each
     dimension at `half_size`, the cluster's gemm_half_size, halves it)."""
@@ -44,6 +72,7 @@ def shape_efficiency(half_size: float, *dims: float) -> float:
 GEMM_TILES = ((128, 256), (256, 128), (128, 128), (64, 256), (256, 64), (128, 64), (64, 128))
 
 
+@functools.lru_cache(maxsize=4096, typed=True)  # a pure function of numbers: the search asks again
 def wave_efficiency(m: float, n: float, sms: int) -> float:
     """Useful share of the tiles a GPU GEMM with an m x n output runs: its area over the tiles of
     the waves it needs, with the best of GEMM_TILES."""
@@ -60,6 +89,7 @@ def wave_efficiency(m: float, n: float, sms: int) -> float:
 RANGE_OF_EIGHT = 2.847
 
 
+@functools.lru_cache(maxsize=4096, typed=True)  # a pure function of numbers: the search asks again
 def slowest_chip_factor(gpus: int, spread: float) -> float:
     """Expected speed of the slowest of `gpus` chips, relative to their mean, where one node's 8
     chips spread over `spread` (a fraction of the mean), chip speeds taken as normal: the expected

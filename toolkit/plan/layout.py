@@ -8,6 +8,7 @@ planner and the trainer all read, so nothing downstream recomputes these.
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass
 
@@ -71,6 +72,7 @@ class Layout:
         return self.grad_accum
 
 
+@functools.lru_cache(maxsize=4096, typed=True)  # pure; the layout search asks for each split often
 def stage_layer_counts(
     num_layers: int, pp: int, vpp: int = 1, first: int | None = None, last: int | None = None
 ) -> tuple[int, ...] | None:

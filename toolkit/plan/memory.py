@@ -122,9 +122,15 @@ def layer_activation_bytes(
     recompute: str = "none",
     moe: bool = False,
     imbalance: float = 1.0,
+    eager: bool = False,
 ) -> float:
     """Bytes one transformer layer (`moe`: a mixture-of-experts layer, its busiest rank
-    `imbalance` over the even share) keeps for backward, per micro-batch, on one TP rank."""
+    `imbalance` over the even share) keeps for backward, per micro-batch, on one TP rank. `eager`:
+    a transformers layer in eager PyTorch, whose RMSNorms keep their fp32 upcast input and 16-bit
+    normalized values besides their output (4 more bytes per value than a fused norm's input:
+    LlamaRMSNorm upcasts, and autograd keeps the upcast for pow and mul and the normalized values
+    for the weight's mul), and whose SwiGLU keeps silu's output besides its inputs (counted with
+    torch.autograd.graph.saved_tensors_hooks in tests/test_layer_dispatches.py)."""
     tokens = micro_batch * seq
     h, d = m.hidden_size, head_dim(m)
     q, kv = m.num_attention_heads * d, kv_heads(m) * d
@@ -143,6 +149,9 @@ def layer_activation_bytes(
         mlp = (routed + shared) / tp + router
     else:
         mlp = tokens * dtype_bytes * m.ffn_hidden_size * (gated + 1) / tp
+    if eager:
+        mlp += tokens * dtype_bytes * (m.ffn_hidden_size if gated == 2 else 0) / tp  # silu's output
+        outside += 2 * 4 * tokens * h * replicated  # two norms' upcast and normalized values
     inside = tokens * dtype_bytes * ((q + 2 * kv) + q) / tp + mlp  # QKV out, proj in, fc1 out, fc2 in
     heads = m.num_attention_heads / tp
     if flash or recompute == "selective":
@@ -150,6 +159,14 @@ def layer_activation_bytes(
     else:  # softmax output (+ dropout mask and output)
         core = heads * seq * seq * micro_batch * (dtype_bytes + (1 + dtype_bytes if m.attention_dropout > 0 else 0))
     return outside + inside + core
+
+
+def loss_logit_bytes(backend: Backend, nbytes: int) -> float:
+    """Bytes per logit at the loss's peak: the logits in the activations' dtype, the fp32 upcast
+    where the backend's loss keeps it (none is made from fp32 logits) and the fp32 logits-sized
+    tensors it makes (Backend.loss_keeps_upcast, loss_fp32_logits)."""
+    upcast = 4 if backend.loss_keeps_upcast and nbytes < 4 else 0
+    return nbytes + upcast + 4 * backend.loss_fp32_logits
 
 
 def inflight_chunks(pp: int, vpp: int, num_microbatches: int, stage: int = 0) -> int:
@@ -223,8 +240,9 @@ def stage_memory(cfg: Config, layout: Layout, stage: int, flash: bool | None = N
         states += ModelStates(params.total * nbytes / cfg.comm.hpz_partition_size, 0.0, 0.0)
 
     seq = layout.seq_length // layout.cp
+    eager = backend.eager_norm_activations
     per_layer = layer_activation_bytes(
-        m, layout.micro_batch, seq, layout.tp, p.sequence_parallel, nbytes, flash, r.granularity
+        m, layout.micro_batch, seq, layout.tp, p.sequence_parallel, nbytes, flash, r.granularity, eager=eager
     )
     layers_per_chunk = layout.stage_layers[stage] // layout.vpp
     chunks = inflight_chunks(layout.pp, layout.vpp, layout.num_microbatches, stage)
@@ -232,7 +250,17 @@ def stage_memory(cfg: Config, layout: Layout, stage: int, flash: bool | None = N
     imbalance = routing_imbalance(m)
     if params.moe_layers:  # those of the chunk's layers that are MoE layers keep more
         per_moe_layer = layer_activation_bytes(
-            m, layout.micro_batch, seq, layout.tp, p.sequence_parallel, nbytes, flash, r.granularity, True, imbalance
+            m,
+            layout.micro_batch,
+            seq,
+            layout.tp,
+            p.sequence_parallel,
+            nbytes,
+            flash,
+            r.granularity,
+            True,
+            imbalance,
+            eager,
         )
         activations += chunks * params.moe_layers / layout.vpp * (per_moe_layer - per_layer)
     tokens = layout.gpu_tokens
@@ -248,13 +276,14 @@ def stage_memory(cfg: Config, layout: Layout, stage: int, flash: bool | None = N
             "none",
             bool(params.moe_layers),
             imbalance,
+            eager,
         )
     if stage == 0:  # embedding output kept for the first layer's backward
         activations += chunks * tokens * m.hidden_size * nbytes / (layout.tp if p.sequence_parallel else 1)
 
     logits = 0.0
-    if stage == layout.pp - 1:  # output GEMM result + fp32 softmax kept by the vocab-parallel cross entropy
-        logits = tokens * layout.padded_vocab_size / layout.tp * (nbytes + 4 + 4)
+    if stage == layout.pp - 1:  # the loss's peak: the logits and what the backend's loss holds beside them
+        logits = tokens * layout.padded_vocab_size / layout.tp * loss_logit_bytes(backend, nbytes)
 
     buffers = 2 * tokens * m.hidden_size * nbytes  # pipeline send/recv or sequence-parallel all-gather
     if params.moe_layers:  # the token dispatcher's send and receive buffers: router_topk copies of each token
@@ -267,8 +296,10 @@ def stage_memory(cfg: Config, layout: Layout, stage: int, flash: bool | None = N
         # at a time, so at most the stage's gradients. Their elements are in the reduction's dtype
         # (fp32 with grad_reduce_in_fp32: communication_data_type; measured at stage 3).
         reduce_bytes = 4 if cfg.precision.grad_reduce_in_fp32 else nbytes
-        if zero_stage == 1:
-            buffers += min(z.reduce_bucket_size, params.total) * reduce_bytes
+        if zero_stage == 1:  # it reduces after the last backward, once activations and logits are
+            # freed: the bucket adds only what exceeds them
+            bucket = min(z.reduce_bucket_size, params.total) * reduce_bytes
+            buffers += max(0.0, bucket - activations - logits)
         else:
             buffers += (2 if z.overlap_comm and zero_stage == 2 else 1) * z.reduce_bucket_size * reduce_bytes
         # prefetched and live gathered parameters: at least one layer
@@ -276,6 +307,8 @@ def stage_memory(cfg: Config, layout: Layout, stage: int, flash: bool | None = N
             buffers += max(z.stage3_prefetch_bucket_size, layer_params(m)) * nbytes
     runtime = CUDA_RUNTIME_BYTES if on_gpu else 0.0
     allowance = FRAGMENTATION * (activations + logits + buffers) + runtime
+    if logits and backend.holds_previous_logits and layout.num_microbatches > 1:
+        allowance += tokens * layout.padded_vocab_size / layout.tp * nbytes
     return MemoryEstimate(
         stage, states.weights, states.grads, states.optimizer, activations, logits, buffers, allowance, runtime
     )

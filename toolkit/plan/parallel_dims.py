@@ -16,6 +16,8 @@ import math
 import re
 from dataclasses import dataclass
 
+from toolkit.plan.memo import during_search
+
 
 @dataclass(frozen=True)
 class Dim:
@@ -112,33 +114,30 @@ class ParallelDims:
     Immutable and hashable; built from DIMS when created, so a dimension added there is carried
     everywhere a layout goes."""
 
-    __slots__ = ("_degrees",)
-
     def __init__(self, **degrees: int):
         names = [d.name for d in DIMS]
-        unknown = sorted(set(degrees) - set(names))
-        if unknown:
+        if not degrees.keys() <= set(names):
+            unknown = sorted(set(degrees) - set(names))
             raise TypeError(f"no parallel dimension {', '.join(unknown)} (the dimensions: {', '.join(names)})")
         resolved: dict[str, int] = {}
         for dim in DIMS:  # None or absent: 1, or the degree of the dimension it follows
             given = degrees.get(dim.name)
             resolved[dim.name] = int(resolved.get(dim.follows, 1) if given is None else given)
-        object.__setattr__(self, "_degrees", tuple(resolved.items()))
+        # each degree an attribute of the instance too (`dims.tp` read without a call: the layout
+        # search reads them a few hundred thousand times)
+        self.__dict__.update(resolved, _degrees=tuple(resolved.items()))
 
     @classmethod
     def of(cls, parallel, dp: int) -> ParallelDims:
         """The degrees a configuration's `parallel` section gives (its fields are named as DIMS),
         with dp resolved (the section may leave it to the world size)."""
-        return cls(**{d.name: getattr(parallel, d.name) for d in DIMS if d.name != "dp"}, dp=dp)
+        return _of(cls, parallel, dp)
 
     def replace(self, **degrees: int) -> ParallelDims:
         """These degrees changed, the others kept (as dataclasses.replace)."""
         return ParallelDims(**{**dict(self._degrees), **degrees})
 
-    def __getattr__(self, name: str) -> int:
-        for dim, degree in object.__getattribute__(self, "_degrees"):
-            if dim == name:
-                return degree
+    def __getattr__(self, name: str) -> int:  # only for a name that is not a degree's
         raise AttributeError(f"no parallel dimension {name!r}")
 
     def __setattr__(self, name, value):
@@ -221,6 +220,11 @@ class ParallelDims:
     def parse(cls, text: str) -> ParallelDims:
         """`tp2_pp2_vpp2` -> ParallelDims(tp=2, pp=2, vpp=2); the dimensions not named are 1."""
         return cls(**parse_degrees(text))
+
+
+@during_search(by_identity=2)  # the search's rules and layouts read each candidate's section several times
+def _of(cls: type[ParallelDims], parallel, dp: int) -> ParallelDims:
+    return cls(**{d.name: getattr(parallel, d.name) for d in DIMS if d.name != "dp"}, dp=dp)
 
 
 def parse_degrees(text: str) -> dict[str, int]:

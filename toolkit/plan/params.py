@@ -22,9 +22,11 @@ no sharding).
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 from toolkit.config.schema import ModelConfig, expert_ffn_size, head_dim, kv_heads, moe_layer_pattern
+from toolkit.plan.memo import during_search
 
 
 def _norm(m: ModelConfig) -> int:
@@ -96,12 +98,12 @@ class StageParams:
     experts: int = 0  # the MoE layers' expert weights on this rank
     moe_layers: int = 0
 
-    @property
+    @functools.cached_property  # (the step's estimate reads them for every stage, often)
     def dense(self) -> int:
         """What reduces and shards over dp x cp (all but the experts)."""
         return self.embedding + self.transformer + self.final_norm + self.output
 
-    @property
+    @functools.cached_property
     def total(self) -> int:
         return self.dense + self.experts
 
@@ -120,6 +122,7 @@ def stage_layer_indices(num_layers: int, pp: int, vpp: int, stage_layers: tuple[
     return indices
 
 
+@during_search()
 def stage_params(
     m: ModelConfig,
     padded_vocab: int,
@@ -149,6 +152,7 @@ def stage_params(
     )
 
 
+@during_search()
 def stage_moe_layers(m: ModelConfig, pp: int, vpp: int, stage_layers: tuple[int, ...], stage: int) -> int:
     pattern = moe_layer_pattern(m)
     return sum(pattern[i] for i in stage_layer_indices(m.num_layers, pp, vpp, stage_layers, stage))
@@ -164,13 +168,19 @@ def all_stage_params(
     ep: int = 1,
     etp: int | None = None,
 ) -> list[StageParams]:
+    return list(_all_stage_params(m, padded_vocab, tp, pp, stage_layers, vpp, ep, etp))
+
+
+@during_search()
+def _all_stage_params(m: ModelConfig, padded_vocab: int, tp, pp, stage_layers, vpp, ep, etp) -> tuple[StageParams, ...]:
     layers = stage_layers or (m.num_layers // pp,) * pp
-    return [
+    return tuple(
         stage_params(m, padded_vocab, tp, pp, s, layers[s], stage_moe_layers(m, pp, vpp, layers, s), ep, etp)
         for s in range(pp)
-    ]
+    )
 
 
+@during_search(by_identity=2)
 def layout_stage_params(m: ModelConfig, layout, stage: int) -> StageParams:
     """stage_params for a resolved layout (toolkit.plan.layout.Layout)."""
     d = layout.dims
@@ -178,6 +188,21 @@ def layout_stage_params(m: ModelConfig, layout, stage: int) -> StageParams:
     return stage_params(
         m, layout.padded_vocab_size, d.tp, d.pp, stage, layout.stage_layers[stage], moe_layers, d.ep, d.etp
     )
+
+
+# Modules with parameters outside the layers: the embedding, the final norm and the output layer
+# (tied or not, a module of its own).
+OUTER_PARAMETER_MODULES = 3
+
+
+def layer_parameter_modules(m: ModelConfig, moe: bool = False) -> int:
+    """Modules holding parameters in one layer of the family's transformers model (what DeepSpeed
+    ZeRO-3 fetches and releases one by one): the q, k, v and output projections, the MLP's linears
+    (an MoE layer's router, each expert's and the shared expert's) and two norms."""
+    mlp = 3 if m.activation == "swiglu" else 2
+    if moe:
+        mlp = 1 + m.moe.num_experts * mlp + (mlp if m.moe.shared_expert_size else 0)
+    return 4 + mlp + 2
 
 
 def model_params(m: ModelConfig, vocab: int | None = None, active: bool = False) -> int:

@@ -43,11 +43,13 @@ from dataclasses import dataclass
 
 from toolkit.config.schema import Config, expert_ffn_size, head_dim, kv_heads
 from toolkit.plan.backends import Backend, GradReduce, backend_of
-from toolkit.plan.collectives import all_to_all_time, link_gbs, overlapped, p2p_time, ring_time
+from toolkit.plan.collectives import all_to_all_time, link_gbs, overlapped, p2p_time, ring_time, send_gbs
 from toolkit.plan.flops import step_flops
 from toolkit.plan.kernels import (
     ATTENTION_EFFICIENCY,
     FP8_GEMM_FRACTION,
+    dispatched_time,
+    eager_layer_bytes,
     fresh_time,
     linear_time,
     mfu_peak_flops,
@@ -58,7 +60,7 @@ from toolkit.plan.kernels import (
 )
 from toolkit.plan.layout import Layout
 from toolkit.plan.memory import DTYPE_BYTES, routing_imbalance
-from toolkit.plan.params import all_stage_params
+from toolkit.plan.params import OUTER_PARAMETER_MODULES, all_stage_params, layer_parameter_modules
 
 # ZeRO-3 prefetches parameters one or two layers ahead: gathers hide under at most half of the
 # compute (assumption), and share the link with the gradient reduce-scatters.
@@ -112,6 +114,16 @@ def _elementwise_bytes(m, tokens: int, tp: int, sp: bool, nbytes: int, mlp_eleme
     replicated = 10 * h / (tp if sp else 1)  # 2 norms (read + write), 2 residual adds (2 reads + write)
     rope = 2 * (q + kv) / tp  # RoPE on q, k
     return 3 * (tokens * (replicated + rope) + mlp_elements) * nbytes
+
+
+def _eager_bytes(m, tokens: int, tp: int, sp: bool, nbytes: int, mlp_elements: float | None = None) -> float:
+    """Bytes the eager element-wise passes of a transformers layer move per micro-batch, forward and
+    backward (toolkit.plan.kernels.eager_layer_bytes); an MoE layer's MLP by its activation's
+    elements (`mlp_elements`, in FFN units as a dense MLP's)."""
+    h, d = m.hidden_size, head_dim(m)
+    qkv = (m.num_attention_heads + kv_heads(m)) * d
+    ffn = tokens * m.ffn_hidden_size / tp if mlp_elements is None else mlp_elements / _activation_io(m)
+    return eager_layer_bytes(tokens, tokens * h / (tp if sp else 1), ffn, tokens * qkv / tp, nbytes)
 
 
 def _activation_io(m) -> int:
@@ -188,12 +200,25 @@ def rates(cfg: Config, world_size: int) -> Rates:
 
 
 def _wgrad_bytes(backend: Backend, nbytes: int) -> int:
-    """Bytes a wgrad GEMM's epilogue moves per weight. Megatron keeps fp32 main_grad buffers and adds
-    each micro-batch's weight gradient into them in the wgrad GEMM's epilogue (Megatron-LM
-    gradient_accumulation_fusion, Transformer Engine fuse_wgrad_accumulation): every weight's fp32
-    gradient is read and written per micro-batch. (parakit's own megatron runs leave the fusion off,
-    toolkit.emit.megatron: a separate add moves a little more.)"""
-    return 8 if backend.fp32_grads_from_stage == 0 else nbytes
+    """Bytes a wgrad GEMM's epilogue moves per weight: its 16-bit gradient written. (Megatron-LM's
+    gradient_accumulation_fusion would add into the fp32 main_grad in the epilogue instead, 8 bytes;
+    parakit's megatron runs leave it off, toolkit.emit.megatron, and add separately:
+    `grad_accumulation_time`.)"""
+    return nbytes
+
+
+def grad_accumulation_time(cfg: Config, backend: Backend, params: float, r: Rates) -> float:
+    """Seconds per micro-batch of adding the rank's `params` gradients into the gradients kept
+    across micro-batches, on a GPU (on CPU the probe's stack costs hold it): in 16-bit training with
+    fp32 gradients the backend's own pass (Backend.grad_accumulation_bytes), else an add of two
+    gradients into one (two reads, a write)."""
+    if cfg.cluster.device != "cuda":
+        return 0.0
+    zero = backend.effective_zero(cfg.zero.stage)
+    fp32_grads = backend.fp32_grads_from_stage is not None and zero >= backend.fp32_grads_from_stage
+    if r.nbytes < 4 and fp32_grads and cfg.precision.grad_reduce_in_fp32:
+        return params * backend.grad_accumulation_bytes / r.hbm
+    return params * 3 * r.nbytes / r.hbm
 
 
 @dataclass(frozen=True)
@@ -296,21 +321,24 @@ def layer_cost(cfg: Config, layout: Layout, backend: Backend, r: Rates, stack, m
     gemm_bwd = sum(b for _, b in times)
     core_fwd, core_bwd = _attention_time(cfg, layout, r, tokens)
     mlp_elements = _moe_mlp_elements(cfg, layout) if moe else None
-    elementwise_bytes = _elementwise_bytes(m, tokens, tp, p.sequence_parallel, r.nbytes, mlp_elements)
-    elementwise = backend.elementwise_traffic * elementwise_bytes / r.hbm
+    passes = _eager_bytes if backend.eager_layers else _elementwise_bytes
+    elementwise = passes(m, tokens, tp, p.sequence_parallel, r.nbytes, mlp_elements) / r.hbm
     # megatron-core's dispatcher permutes the tokens (transformers' MoE blocks index them per expert
     # instead, priced with the element-wise traffic)
     permutation = _permutation_bytes(cfg, layout, r.nbytes) / r.hbm if moe and not backend.moe.family_modules else 0.0
-    compute = gemm_fwd + gemm_bwd + core_fwd + core_bwd + elementwise + permutation + c.layer_overhead_s
-    compute += (stack.layer_s + (stack.tp_layer_s if tp > 1 else 0.0)) if stack else 0.0
+    compute = gemm_fwd + gemm_bwd + core_fwd + core_bwd + elementwise + permutation
     if recompute == "full":
         compute += gemm_fwd + core_fwd + elementwise / 3 + permutation / 2
     elif recompute == "selective":
         compute += core_fwd
+    if c.device == "cuda":  # a GPU waits for the host where the layer's kernels are short
+        host = backend.layer_dispatches * (4 / 3 if recompute == "full" else 1) * c.op_dispatch_s
+        compute = dispatched_time(compute, host + zero3_bookkeeping(cfg, backend, layer_parameter_modules(m, moe)))
+    compute += c.layer_overhead_s + ((stack.layer_s + (stack.tp_layer_s if tp > 1 else 0.0)) if stack else 0.0)
 
     collectives = 4 + (2 if recompute == "full" else 0)
     tp_collective = ring_time(
-        tokens * h * r.nbytes, tp, link_gbs(cfg, tp, layout.dims.stride("tp")), 2.0, c.collective_latency_s
+        tokens * h * r.nbytes, tp, link_gbs(cfg, tp, layout.dims.stride("tp"), 2.0), 2.0, c.collective_latency_s
     )
     tp_comm = collectives * tp_collective
     if p.tp_comm_overlap:  # Transformer Engine's userbuffers split each GEMM and exchange the chunks
@@ -329,13 +357,17 @@ def logits_cost(cfg: Config, layout: Layout, backend: Backend, r: Rates, stack) 
     tokens = layout.gpu_tokens
     vocab_shard = layout.padded_vocab_size / tp
     logit_bytes = tokens * vocab_shard * 4  # the loss is computed in fp32
+    # 16-bit logits: the upcast (read 16 bits, write 32) and the gradient's downcast
+    passes = backend.loss_logit_passes * 4 + (2 * (r.nbytes + 4) if r.nbytes < 4 else 0)
     compute = (
         sum(linear_time(c, tokens, vocab_shard, h, r.gemm, r.nbytes, _wgrad_bytes(backend, r.nbytes)))
-        + (stack.loss_s_per_logit * logit_bytes / 4 if stack else backend.loss_logit_passes * logit_bytes / r.hbm)
+        + (stack.loss_s_per_logit * logit_bytes / 4 if stack else passes * logit_bytes / 4 / r.hbm)
         + backend.loss_fresh_logits * fresh_time(cfg, logit_bytes)
     )
+    if c.device == "cuda":  # ZeRO-3's handling of the embedding, final norm and output layer
+        compute = dispatched_time(compute, zero3_bookkeeping(cfg, backend, OUTER_PARAMETER_MODULES))
     # the vocab-parallel loss's max, target logit and sum
-    comm = 3 * ring_time(tokens * 4, tp, link_gbs(cfg, tp, layout.dims.stride("tp")), 2.0, c.collective_latency_s)
+    comm = 3 * ring_time(tokens * 4, tp, link_gbs(cfg, tp, layout.dims.stride("tp"), 2.0), 2.0, c.collective_latency_s)
     return compute, comm
 
 
@@ -346,11 +378,15 @@ def stage_times(
     logits: tuple[float, float],
     step_s: float,
     moe: tuple[LayerCost, tuple[int, ...]] | None = None,
+    per_stage: list[float] | None = None,
 ):
     """One micro-batch's forward and backward on each pipeline stage (the last adds the logits), and
     how much slower the shared CPU cores run it (1 on GPUs). `moe`: an MoE layer's cost and how
-    many of each stage's layers are MoE layers."""
+    many of each stage's layers are MoE layers; `per_stage`: further work of each stage per
+    micro-batch (its gradients' accumulation)."""
     work = [n * layer.compute for n in layout.stage_layers]
+    if per_stage:
+        work = [t + extra for t, extra in zip(work, per_stage)]
     comm = [n * layer.comm for n in layout.stage_layers]
     if moe:
         moe_layer, counts = moe
@@ -375,7 +411,7 @@ def pipeline_comm(cfg: Config, layout: Layout, r: Rates, compute: float) -> floa
     tokens = layout.gpu_tokens
     num_mb = layout.num_microbatches
     sent = tokens // (tp if cfg.parallel.sequence_parallel else 1) * cfg.model.hidden_size * r.nbytes
-    sends = num_mb * vpp * 2 * p2p_time(cfg, sent, link_gbs(cfg, pp, layout.dims.stride("pp")))
+    sends = num_mb * vpp * 2 * p2p_time(cfg, sent, send_gbs(cfg, pp, layout.dims.stride("pp")))
     if vpp > 1 and cfg.cluster.device == "cuda":  # megatron-core overlap_p2p_comm (toolkit.emit.megatron)
         # Sends of the steady state wait under the next chunk's compute; those of the warm-up
         # and the flush wait alone (overlap_p2p_comm_warmup_flush off). The first stage warms
@@ -404,7 +440,7 @@ def data_parallel_comm(
     num_mb = layout.num_microbatches
 
     def ring(nbytes_: float, factor: float, size: int = shard, step: int = stride) -> float:
-        return ring_time(nbytes_, size, link_gbs(cfg, size, step), factor, c.collective_latency_s)
+        return ring_time(nbytes_, size, link_gbs(cfg, size, step, factor), factor, c.collective_latency_s)
 
     # Both backends reduce in fp32 with grad_reduce_in_fp32 (DeepSpeed's communication_data_type).
     grad_bytes = params * (4 if cfg.precision.dtype == "fp32" or cfg.precision.grad_reduce_in_fp32 else nbytes)
@@ -454,11 +490,55 @@ def _instances_reduce(ring, grad_bytes: float, shard: int, stride: int, instance
     return reduce
 
 
-def optimizer_time(cfg: Config, shard_params: float, r: Rates) -> float:
-    """The optimizer step: read and write master weights, grads and Adam moments."""
+# torch's AdamW step over fp32 values, bytes per parameter (torch/optim/adam.py): fused (_fused_adam,
+# and apex's and Transformer Engine's FusedAdam) reads each parameter, its gradient and both moments
+# and writes the parameter and the moments, 7 passes; the multi-tensor form (_multi_tensor_adam) runs
+# one kernel per step: weight decay (mul_: 2 passes), lerp_ of the first moment (3), mul_ and
+# addcmul_ of the second (2 + 3), sqrt, div_ and add_ of eps into a new denominator (2 + 2 + 2) and
+# addcdiv_ into the parameter (4): 20 passes.
+ADAMW_BYTES = {"fused": 7 * 4, "foreach": 20 * 4}
+
+
+def zero3_bookkeeping(cfg: Config, backend: Backend, modules: int) -> float:
+    """Host seconds per micro-batch of ZeRO-3's parameter handling for `modules` modules (DeepSpeed
+    runtime/zero/parameter_offload.py and partitioned_param_coordinator.py: each module with
+    parameters is fetched before and released after its forward and again its backward, and again
+    the forward's under full recompute), cluster.zero3_module_s each; 0 below ZeRO-3. Host work:
+    it hides under device work that takes longer."""
+    shards = backend.shards_params_from_stage
+    if shards is None or backend.effective_zero(cfg.zero.stage) < shards:
+        return 0.0
+    events = 4 + (2 if cfg.recompute.granularity == "full" else 0)
+    return modules * events * cfg.cluster.zero3_module_s
+
+
+def optimizer_time(
+    cfg: Config,
+    shard_params: float,
+    r: Rates,
+    grad_params: float | None = None,
+    backend: Backend | None = None,
+    layers: int = 0,
+) -> float:
+    """The optimizer step, memory-bound over every parameter the rank updates (`shard_params`): the
+    gradients' norm (a read, for clipping), AdamW over the fp32 master, moments and gradient, and in
+    16-bit training the updated master's downcast into the model's weights (megatron-core
+    copy_main_params_to_model_params, DeepSpeed's bit16 partition copy); then the zeroing of the
+    gradient buffers the rank keeps (`grad_params`, fp32 where accumulated in fp32) for the next
+    step (megatron-core zero_grad_buffer, DeepSpeed zero_grad)."""
     if cfg.zero.offload_optimizer != "none":
         return shard_params / HOST_ADAM_PARAMS_PER_S
-    return shard_params * (4 + 4 + 8 + r.nbytes) * 2 / r.hbm
+    downcast = 4 + r.nbytes if r.nbytes < 4 else 0
+    grad_bytes = 4 if r.nbytes >= 4 or cfg.precision.grad_reduce_in_fp32 else r.nbytes
+    zeroed = (shard_params if grad_params is None else grad_params) * grad_bytes
+    c = cfg.cluster
+    adam = "fused" if backend is None else backend.adam if c.transformer_engine else backend.plain_torch_adam
+    device = (shard_params * (4 + ADAMW_BYTES[adam] + downcast) + zeroed) / r.hbm
+    if backend is None or c.device != "cuda":
+        return device
+    # the step's per-tensor loops are issued by the host (a GPU waits where they outrun its work)
+    dispatches = backend.step_dispatches_per_layer * layers + backend.step_dispatches
+    return dispatched_time(device, dispatches * c.op_dispatch_s)
 
 
 def estimate_step(cfg: Config, layout: Layout, backend: Backend | None = None) -> StepEstimate:
@@ -476,14 +556,17 @@ def estimate_step(cfg: Config, layout: Layout, backend: Backend | None = None) -
     layer = layer_cost(cfg, layout, backend, r, stack)
     moe_counts = tuple(s.moe_layers for s in stage_params)
     moe = (layer_cost(cfg, layout, backend, r, stack, moe=True), moe_counts) if any(moe_counts) else None
-    stages, sharing = stage_times(cfg, layout, layer, logits_cost(cfg, layout, backend, r, stack), step_s, moe)
+    zero = backend.effective_zero(cfg.zero.stage)
+    grad_shard = d.dp * d.cp if backend.shards_grads_from_stage is not None and zero >= 2 else 1
+    accumulation = [grad_accumulation_time(cfg, backend, s.total / grad_shard, r) for s in stage_params]
+    logits = logits_cost(cfg, layout, backend, r, stack)
+    stages, sharing = stage_times(cfg, layout, layer, logits, step_s, moe, accumulation)
     slowest = max(range(layout.pp), key=stages.__getitem__)
     per_microbatch = stages[slowest]
     bubble = (layout.pp - 1) / layout.vpp * per_microbatch
     compute = layout.num_microbatches * per_microbatch + bubble
 
     busiest = max(stage_params, key=lambda s: s.total)
-    zero = backend.effective_zero(cfg.zero.stage)
     pp_comm = pipeline_comm(cfg, layout, r, compute)
     # the experts reduce over their expert-dp ranks (and shard their optimizer states there), the rest over dp x cp
     dp_comm = data_parallel_comm(cfg, layout, backend, busiest.dense, per_microbatch)
@@ -491,7 +574,7 @@ def estimate_step(cfg: Config, layout: Layout, backend: Backend | None = None) -
         dp_comm += data_parallel_comm(cfg, layout, backend, busiest.experts, per_microbatch, (d.edp, d.stride("edp")))
     experts_shard = busiest.experts / d.edp if busiest.experts else 0.0
     shard = busiest.dense / (d.dp * d.cp) + experts_shard if zero >= 1 else busiest.total
-    optimizer = optimizer_time(cfg, shard, r)
+    optimizer = optimizer_time(cfg, shard, r, busiest.total / grad_shard, backend, busiest.layers)
 
     step = compute + pp_comm + dp_comm + optimizer + c.step_overhead_s + step_s * sharing
     flops = step_flops(m, layout.seq_length, layout.global_batch, cfg.recompute.granularity, layout.padded_vocab_size)

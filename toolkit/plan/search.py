@@ -15,6 +15,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import operator
 import time
 from dataclasses import dataclass
 from typing import Callable
@@ -22,13 +23,14 @@ from typing import Callable
 from toolkit.config.schema import CommConfig, Config, is_moe, moe_layer_pattern
 from toolkit.plan.backends import backend_of
 from toolkit.plan.layout import Layout, resolve, stage_layer_counts, world_size
-from toolkit.plan.memory import GIB, MemoryEstimate, peak_memory
+from toolkit.plan.memo import searching
+from toolkit.plan.memory import GIB, MemoryEstimate, peak_memory, stage_memory
 from toolkit.plan.parallel_dims import DIMS, ParallelDims
 from toolkit.plan.params import model_params, moe_layer_params
 from toolkit.plan.perf import StepEstimate, estimate_step
 from toolkit.plan.rules.base import divisors
 from toolkit.plan.traffic import remedies
-from toolkit.plan.validate import validate
+from toolkit.plan.validate import is_valid
 
 HEADROOM = 0.10  # keep 10% of device memory free for spikes the estimate does not see
 MICRO_BATCHES = (1, 2, 4, 8)
@@ -229,6 +231,21 @@ def candidate_configs(cfg: Config):
     world = world_size(cfg)
     backend = backend_of(cfg)
     zeros, recomputes, dims = backend.zero_stages, backend.recompute, backend.parallel_dims
+    # Each section made once and shared by the candidates that have it (the ZeRO, recompute and train
+    # sections do not depend on the degrees; a layout's parallel section serves its micro batches)
+    zero_sections = {
+        zero: dataclasses.replace(cfg.zero, stage=zero, offload_optimizer="none", offload_param="none")
+        for zero in zeros
+    }
+    recompute_sections = {
+        recompute: dataclasses.replace(cfg.recompute, granularity=recompute, method="uniform", num_layers=1)
+        for recompute in recomputes
+    }
+    train_sections = {micro: dataclasses.replace(t, micro_batch=micro, grad_accum=None) for micro in MICRO_BATCHES}
+    # dataclasses.replace(cfg, ...) without its per-call checks: the class called with every field
+    changed = ("parallel", "train", "zero", "recompute")
+    make = type(cfg)
+    sections = {f.name: getattr(cfg, f.name) for f in dataclasses.fields(cfg) if f.init and f.name not in changed}
     for degrees in _degree_choices(cfg, dims, [d.name for d in DIMS if d.name != "dp"], {}):
         model_parallel = ParallelDims(**degrees).model_parallel_size
         tp, pp = degrees["tp"], degrees["pp"]
@@ -238,49 +255,60 @@ def candidate_configs(cfg: Config):
             if first is not None and not backend.uneven_pipeline_stages:
                 continue
             dp = world // model_parallel
+            parallel = dataclasses.replace(
+                cfg.parallel,
+                **degrees,
+                dp=None,
+                sequence_parallel="sp" in dims and tp > 1,
+                tp_comm_overlap=cfg.parallel.tp_comm_overlap and tp > 1,
+                first_stage_layers=first,
+                last_stage_layers=last,
+            )
             for micro in MICRO_BATCHES:
                 if t.global_batch % (micro * dp):
                     continue
                 accum = t.global_batch // (micro * dp)
                 if degrees["vpp"] > 1 and accum % pp:
                     continue
-                parallel = dataclasses.replace(
-                    cfg.parallel,
-                    **degrees,
-                    dp=None,
-                    sequence_parallel="sp" in dims and tp > 1,
-                    tp_comm_overlap=cfg.parallel.tp_comm_overlap and tp > 1,
-                    first_stage_layers=first,
-                    last_stage_layers=last,
-                )
-                train = dataclasses.replace(t, micro_batch=micro, grad_accum=None)
                 for zero, recompute in itertools.product(zeros, recomputes):
                     if pp > 1 and zero not in backend.pipeline_zero_stages:
                         continue
-                    yield dataclasses.replace(
-                        cfg,
+                    yield make(
+                        **sections,
                         parallel=parallel,
-                        train=train,
-                        zero=dataclasses.replace(cfg.zero, stage=zero, offload_optimizer="none", offload_param="none"),
-                        recompute=dataclasses.replace(
-                            cfg.recompute, granularity=recompute, method="uniform", num_layers=1
-                        ),
+                        train=train_sections[micro],
+                        zero=zero_sections[zero],
+                        recompute=recompute_sections[recompute],
                     )
 
 
 def search(cfg: Config) -> SearchResult:
+    """Every candidate layout of `cfg` that validates and fits, best first (see the module's docstring).
+    The candidates share most of their sections and each layout's stages: while it runs, what
+    depends only on those is computed once (toolkit.plan.memo)."""
+    with searching():
+        return _search(cfg)
+
+
+def _search(cfg: Config) -> SearchResult:
     start = time.perf_counter()
     considered = valid = 0
     fitting: list[Candidate] = []
     smallest = None
+    capacity = cfg.cluster.gpu_memory_gb * 1e9 * (1 - HEADROOM)
+    layout_of = _resolver()
     for candidate_cfg in candidate_configs(cfg):
         considered += 1
-        layout = resolve(candidate_cfg)
+        layout = layout_of(candidate_cfg)
+        if smallest is not None:  # the first stage's memory is at most the peak (peak_memory weighs it):
+            # a candidate whose first stage is over the device and the smallest already is skipped as well
+            first = stage_memory(candidate_cfg, layout, 0).total
+            if first > capacity and first >= smallest.memory.total:
+                continue
         memory = peak_memory(candidate_cfg, layout)
-        capacity = cfg.cluster.gpu_memory_gb * 1e9 * (1 - HEADROOM)
         if memory.total > capacity and smallest is not None and memory.total >= smallest.memory.total:
             continue  # neither fits nor beats the smallest seen: skip the costly part
-        if not validate(candidate_cfg, data=False, memory=False).ok:  # a layout does not depend on the data
+        if not is_valid(candidate_cfg, data=False):  # a layout does not depend on the data
             continue
         valid += 1
         candidate = Candidate(candidate_cfg, layout, memory, estimate_step(candidate_cfg, layout))
@@ -293,6 +321,29 @@ def search(cfg: Config) -> SearchResult:
     fits = len(fitting)
     fitting = sorted(fitting + _with_traffic_settings(fitting[:TRAFFIC_TRIED], capacity), key=_rank)
     return SearchResult(fitting, considered, valid, fits, time.perf_counter() - start, smallest)
+
+
+# What a Layout does not depend on (toolkit.plan.layout.resolve reads neither): the candidates that
+# differ only in these share one resolved layout.
+LAYOUT_FREE = ("zero", "recompute")
+
+
+def _resolver() -> Callable[[Config], Layout]:
+    """resolve, computed once for consecutive candidates that differ only in LAYOUT_FREE sections
+    (candidate_configs yields each layout's ZeRO stages and recomputes in a row, sharing the other
+    sections)."""
+    sections = operator.attrgetter(*(f.name for f in dataclasses.fields(Config) if f.name not in LAYOUT_FREE))
+    last_ids, last = None, None
+
+    def layout_of(cfg: Config) -> Layout:
+        nonlocal last_ids, last
+        read = sections(cfg)
+        ids = tuple(map(id, read))
+        if ids != last_ids:
+            last_ids, last = ids, (read, resolve(cfg))  # the sections held: their ids stay theirs
+        return last[1]
+
+    return layout_of
 
 
 def _rank(c: Candidate) -> tuple:

@@ -129,16 +129,7 @@ def validate(
     memory check (the search weighs memory itself). `installed(module)` says whether this machine
     imports a module: given on the machine that trains, a package an option needs and this machine
     lacks is an error; without it (planning elsewhere) the report lists what the options need."""
-    errors = list(ranges.ranges(cfg))
-    packages: tuple[Package, ...] = ()
-    if not any(e.rule == "range" for e in errors):  # the other rules divide by these values
-        for rule in _ERROR_RULES:
-            errors.extend(rule(cfg))
-        if data:
-            errors.extend(data_rules.data(cfg))
-        packages = tuple(packages_needed(cfg))
-        if installed is not None:
-            errors.extend(_missing_packages(packages, installed))
+    errors, packages = _errors(cfg, data, installed)
     warnings = []
     if not errors and memory:
         found = list(_memory(cfg))
@@ -150,6 +141,29 @@ def validate(
         warnings += list(comm.costly(cfg))
         warnings += list(slow.slow_layouts(cfg, resolve(cfg)))
     return Report(tuple(errors), tuple(warnings), packages)
+
+
+def is_valid(cfg: Config, *, data: bool = True) -> bool:
+    """validate(cfg, data=data, memory=False).ok, without working out the warnings (what the layout
+    search asks of each candidate)."""
+    return not _errors(cfg, data, None)[0]
+
+
+def _errors(
+    cfg: Config, data: bool, installed: Callable[[str], bool] | None
+) -> tuple[list[Violation], tuple[Package, ...]]:
+    """The errors of every rule but the memory check's, and the packages the options need."""
+    errors = list(ranges.ranges(cfg))
+    packages: tuple[Package, ...] = ()
+    if not any(e.rule == "range" for e in errors):  # the other rules divide by these values
+        for rule in _ERROR_RULES:
+            errors.extend(rule(cfg))
+        if data:
+            errors.extend(data_rules.data(cfg))
+        packages = tuple(packages_needed(cfg))
+        if installed is not None:
+            errors.extend(_missing_packages(packages, installed))
+    return errors, packages
 
 
 def check(cfg: Config, installed: Callable[[str], bool] | None = None) -> tuple[Layout, Report]:

@@ -5,30 +5,71 @@ schema: composition refuses any other value and names the allowed ones."""
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import re
 from typing import Iterator
 
 from toolkit.config.schema import Bounds, Config
+from toolkit.plan.memo import during_search
 from toolkit.plan.rules.base import Violation, err
 
 
-def _fields(section, prefix: str = "") -> Iterator[tuple[str, object, dataclasses.Field]]:
-    """(path, value, field) of every field of a configuration, nested sections included."""
-    for f in dataclasses.fields(section):
-        value = getattr(section, f.name)
+def _check(section, prefix: str, non_finite: list, outside: list) -> None:
+    """Add a section's fields (nested sections included, in the order of the fields) that are
+    non-finite numbers to `non_finite` as (path, value, field), and those outside their bounds to
+    `outside` as (path, value, bounds)."""
+    for name, f, bounds in _class_fields(type(section)):
+        value = getattr(section, name)
         if dataclasses.is_dataclass(value):
-            yield from _fields(value, f"{prefix}{f.name}.")
+            _check(value, f"{prefix}{name}.", non_finite, outside)
         else:
-            yield f"{prefix}{f.name}", value, f
+            _check_value(f"{prefix}{name}", value, f, bounds, non_finite, outside)
 
 
-def _non_finite(cfg: Config) -> Iterator[Violation]:
+def _check_value(path: str, value, f: dataclasses.Field, bounds, non_finite: list, outside: list) -> None:
+    if isinstance(value, float) and not math.isfinite(value):
+        non_finite.append((path, value, f))
+    if bounds is not None and value is not None and _outside(bounds, value):
+        outside.append((path, value, bounds))
+
+
+@functools.cache
+def _class_fields(cls: type) -> tuple[tuple[str, dataclasses.Field, Bounds | None], ...]:
+    """A configuration class's fields: name, field and bounds (None where it has none)."""
+    return tuple((f.name, f, f.metadata.get("bounds")) for f in dataclasses.fields(cls))
+
+
+@during_search()
+def _section(section, prefix: str) -> tuple[tuple, tuple]:
+    """_check of one section, as (non-finite, outside) tuples (a layout search's candidates share
+    most of their sections: each is read once)."""
+    non_finite: list = []
+    outside: list = []
+    _check(section, prefix, non_finite, outside)
+    return tuple(non_finite), tuple(outside)
+
+
+def _findings(cfg: Config) -> tuple[list, list]:
+    """The configuration's non-finite fields and those outside their bounds, in the order of its fields."""
+    non_finite: list = []
+    outside: list = []
+    for name, f, bounds in _class_fields(type(cfg)):
+        value = getattr(cfg, name)
+        if dataclasses.is_dataclass(value):
+            found = _section(value, f"{name}.")
+            non_finite += found[0]
+            outside += found[1]
+        else:  # a value of the configuration itself (its description)
+            _check_value(name, value, f, bounds, non_finite, outside)
+    return non_finite, outside
+
+
+def _non_finite(non_finite: list) -> Iterator[Violation]:
     """nan and inf compare false with every bound, so the range rules would let them through."""
-    for path, value, f in _fields(cfg):
-        if isinstance(value, float) and not math.isfinite(value):
-            example = ", or null to turn it off" if f.default is None else f", e.g. {f.default:g}"
-            yield err("finite", {path: value}, "must be a finite number", f"set {path} to a finite number{example}")
+    for path, value, f in non_finite:
+        example = ", or null to turn it off" if f.default is None else f", e.g. {f.default:g}"
+        yield err("finite", {path: value}, "must be a finite number", f"set {path} to a finite number{example}")
 
 
 def _outside(b: Bounds, value) -> bool:
@@ -44,12 +85,11 @@ def _outside(b: Bounds, value) -> bool:
 
 
 def ranges(cfg: Config) -> Iterator[Violation]:
-    yield from _non_finite(cfg)
+    non_finite, outside = _findings(cfg)
+    yield from _non_finite(non_finite)
     found: dict[tuple[str, str, str], dict] = {}  # fields that break the same bound are reported together
-    for path, value, f in _fields(cfg):
-        b = f.metadata.get("bounds")
-        if b is not None and value is not None and _outside(b, value):
-            found.setdefault((b.rule, b.message, b.fix.format(path=path)), {})[path] = value
+    for path, value, b in outside:
+        found.setdefault((b.rule, b.message, b.fix.format(path=path)), {})[path] = value
     for (rule, message, fix), fields in found.items():
         yield err(rule, fields, message, fix)
     if cfg.train.steps is None and cfg.train.tokens is None:
