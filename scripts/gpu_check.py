@@ -17,7 +17,9 @@ Steps, in order (a step that fails or times out is recorded as such; the next on
 4. bench_overhead: parakit's loop against a bare megatron-core loop (scripts/bench_overhead.py).
 5. fused_adam_build: how long DeepSpeed's FusedAdam takes to JIT-compile here (parakit's GPU runs
    use torch's fused AdamW instead, which needs no build).
-For every training run: median step time, tokens/s and MFU after the warm-up steps, peak memory
+For every training run: median step time, tokens/s and MFU after the warm-up steps (the two
+profiled steps left out: their summary says how long the GPU was busy, by kernel kind, and how long
+it waited for the host; the Chrome trace is in the run's profile/ folder), peak memory
 allocated and reserved, each beside the planner's figure, and the attention and Adam it used; and
 the planner's step time and memory for the run's own config twice, printed beside the measurement:
 on the datasheet cluster it ran with (GPU: the conf/cluster file of its model, 1xh200 on an H200)
@@ -42,13 +44,16 @@ import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-# Sizes: (model and batch overrides, steps, the step to save and resume at, warm-up steps left out)
+# Sizes: (model and batch overrides, steps, the step to save and resume at, warm-up steps left out,
+# the steps profiled: train.profile_step_start/_end, left out of the step time, which the
+# profiler's synchronize and its tracing of every launch slow)
 GPU = (
     ["model=llama3_1b", "cluster=1xh200", "precision=bf16", "model.seq_length=2048"]
     + ["train.global_batch=8", "train.micro_batch=2"],
     12,
     6,
     4,
+    range(9, 11),
 )
 CPU = (
     ["model=tiny", "model.num_layers=1", "cluster=cpu", "precision=fp32", "model.seq_length=32"]
@@ -56,6 +61,7 @@ CPU = (
     4,
     2,
     1,
+    range(4, 5),
 )
 COMMON = ["cluster.nodes=1", "cluster.gpus_per_node=1", "parallel=dp", "data=synthetic", "optim.warmup_steps=1"]
 STEPS = ("environment", "probe", "megatron", "deepspeed_zero1", "deepspeed_zero3", "bench_overhead", "fused_adam_build")
@@ -165,10 +171,15 @@ def records(run_dir: Path) -> list[dict]:
     return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines() if '"loss"' in line]
 
 
-def figures(run_dir: Path, result: dict, skip: int) -> dict:
-    """Measured against predicted, medians over the steps after the warm-up."""
+def profiling(profiled: range) -> list[str]:
+    return [f"train.profile_step_start={profiled.start}", f"train.profile_step_end={profiled.stop}"]
+
+
+def figures(run_dir: Path, result: dict, skip: int, profiled: range = range(0)) -> dict:
+    """Measured against predicted, medians over the steps after the warm-up but the profiled ones;
+    the profiled steps' summary (toolkit.train.step_profiler) where the run wrote one."""
     steps = records(run_dir)
-    timed = steps[skip:] or steps
+    timed = [r for r in steps[skip:] if r["step"] not in profiled] or steps
 
     def median(key):
         return statistics.median(r[key] for r in timed)
@@ -189,6 +200,9 @@ def figures(run_dir: Path, result: dict, skip: int) -> dict:
         "last_loss": steps[-1]["loss"],
         "kernels": result.get("kernels"),
     }
+    profile = run_dir / "profile" / "summary.json"
+    if profile.is_file():
+        out["profile"] = json.loads(profile.read_text())
     if "memory_reserved_gib" in steps[-1]:  # GPUs: the allocator's reservation too
         out["memory_reserved_gib"] = max(r["memory_reserved_gib"] for r in steps)
         out["predicted_reserved_gib"] = steps[-1]["predicted_reserved_gib"]
@@ -281,6 +295,11 @@ def compared(check: Check, name: str, run_dir: Path, measured: dict) -> dict:
         return measured
     for line in comparison(name, measured):
         print(f"gpu_check: {line}", flush=True)
+    if "profile" in measured:
+        from toolkit.train.step_profiler import describe
+
+        for line in describe(measured["profile"]).splitlines():
+            print(f"gpu_check: {name}: profiled {line}", flush=True)
     return measured
 
 
@@ -289,12 +308,13 @@ def megatron_resume(check: Check, size, timeout: float) -> dict:
     checkpoint alone: its steps 7-12 must be the first run's."""
     import shutil
 
-    overrides, steps, at, skip = size
+    overrides, steps, at, skip, profiled = size
     base = [*overrides, *COMMON, "backend=megatron", "zero=1", f"train.steps={steps}", "checkpoint.verify=size"]
     deadline = time.monotonic() + timeout
     whole = check.out / "megatron_whole"
-    result = check.train("megatron", whole, [*base, f"checkpoint.interval_steps={at}"], timeout)
-    measured = compared(check, "megatron", whole, figures(whole, result, skip))
+    argv = [*base, f"checkpoint.interval_steps={at}", *profiling(profiled)]
+    result = check.train("megatron", whole, argv, timeout)
+    measured = compared(check, "megatron", whole, figures(whole, result, skip, profiled))
     shutil.rmtree(whole / "checkpoints" / f"step_{steps:08d}")  # the newest left is step `at`'s
     resumed = check.out / "megatron_resumed"
     left = deadline - time.monotonic()
@@ -314,10 +334,10 @@ def megatron_resume(check: Check, size, timeout: float) -> dict:
 
 
 def deepspeed_run(check: Check, size, zero: int, timeout: float) -> dict:
-    overrides, steps, _, skip = size
+    overrides, steps, _, skip, profiled = size
     run_dir = check.out / f"deepspeed_zero{zero}"
-    argv = [*overrides, *COMMON, "backend=deepspeed", f"zero={zero}", f"train.steps={steps}"]
-    measured = figures(run_dir, check.train(f"deepspeed zero{zero}", run_dir, argv, timeout), skip)
+    argv = [*overrides, *COMMON, "backend=deepspeed", f"zero={zero}", f"train.steps={steps}", *profiling(profiled)]
+    measured = figures(run_dir, check.train(f"deepspeed zero{zero}", run_dir, argv, timeout), skip, profiled)
     return compared(check, f"deepspeed_zero{zero}", run_dir, measured)
 
 

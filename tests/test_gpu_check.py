@@ -63,9 +63,12 @@ def test_each_run_reports_measured_beside_predicted_from_its_own_records(checked
     step = steps[name]
     run_dir = out / ("megatron_whole" if name == "megatron" else name)
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    assert step["steps"] == len(records) == 4 and step["timed_steps"] == 3
-    timed = sorted(r["step_time_s"] for r in records[1:])
-    assert step["step_time_s"] == timed[1]  # the median after the warm-up step
+    assert step["steps"] == len(records) == 4 and step["timed_steps"] == 2
+    timed = [r["step_time_s"] for r in records[1:3]]  # after the warm-up step, before the profiled one
+    assert step["step_time_s"] == pytest.approx(sum(timed) / 2)
+    (profiled,) = step["profile"]  # step 4 under torch.profiler: its trace beside
+    assert profiled["step"] == 4 and profiled["host_ops"] > 0 and profiled["wall_s"] > 0
+    assert (run_dir / "profile" / "rank0_trace.json.gz").is_file()
     assert step["predicted_step_time_s"] == records[-1]["predicted_step_time_s"]
     assert step["predicted_tokens_per_s"] == pytest.approx(
         step["tokens_per_s"] * step["step_time_s"] / step["predicted_step_time_s"]

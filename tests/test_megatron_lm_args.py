@@ -6,7 +6,7 @@ toolkit.emit.megatron_args.FIELDS. The property test (test_properties.py) checks
 configurations."""
 
 import pytest
-from megatron_lm import FLAGS, differences, sections, words
+from megatron_lm import FLAGS, PARSER, differences, sections, words
 
 from toolkit.config.store import conf_dir
 from toolkit.emit import megatron_args as emit
@@ -133,3 +133,17 @@ def test_the_read_back_catches_a_field_the_command_line_loses(compose, monkeypat
     _, layout, ours, text = command_line(compose, CASES.get(case, [f"recipe={case}"]))
     found = differences(text, ours, layout.world_size)
     assert any(line.startswith(field + ":") for line in found), (defect, found)
+
+
+@pytest.mark.parametrize("end, steps", [(None, (5, 6)), (8, (5, 8))])
+def test_the_profiled_steps_reach_megatron_lm(compose, end, steps):
+    """train.profile_step_start/_end: Megatron-LM's torch.profiler over the same steps on rank 0."""
+    overrides = ["recipe=llama3_8b_8xh100", "train.profile_step_start=5"] + [f"train.profile_step_end={end}"] * bool(
+        end
+    )
+    _, _, _, text = command_line(compose, overrides)
+    parsed = PARSER.parse_args(words(text))
+    assert parsed.profile and parsed.use_pytorch_profiler and parsed.profile_ranks == [0]
+    assert (parsed.profile_step_start, parsed.profile_step_end) == steps
+    _, _, _, plain = command_line(compose, ["recipe=llama3_8b_8xh100"])
+    assert not PARSER.parse_args(words(plain)).profile

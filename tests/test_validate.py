@@ -137,6 +137,13 @@ ERROR_CASES = [
         ["checkpoint.auto_interval=true"],
         "checkpoint.interval_steps",
     ),
+    (
+        "profile_steps",
+        ["train.profile_step_start=4", "train.profile_step_end=4"],
+        ["train.profile_step_start=4", "train.profile_step_end=5"],
+        "train.profile_step_end",
+    ),
+    ("profile_steps", ["train.profile_step_end=5"], ["train.profile_step_start=3"], "train.profile_step_start"),
     ("range", ["checkpoint.interval_minutes=0"], ["checkpoint.interval_minutes=30"], "checkpoint.interval_minutes"),
     ("async_save_backend", [DS, "checkpoint.async_save=true"], ["checkpoint.async_save=true"], "checkpoint.async_save"),
     ("recompute_backend", [DS, "recompute=selective"], [DS, "recompute=full"], "recompute.granularity"),
@@ -254,6 +261,12 @@ ERROR_CASES = [
 ]
 
 WARNING_CASES = [
+    (
+        "profile_steps",
+        ["train.steps=10", "train.profile_step_start=11"],
+        ["train.steps=10", "train.profile_step_start=10"],
+        "train.profile_step_start",
+    ),
     ("bubble", ["parallel.pp=4", "train.global_batch=8"], ["parallel.pp=4", "train.global_batch=64"], "parallel.pp"),
     (
         "few_microbatches",

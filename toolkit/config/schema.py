@@ -589,6 +589,12 @@ class TrainConfig:
     # start-up and the first two steps, which it slows); sweeps turn it on. GPUs always record
     # the allocator's peak.
     profile_memory: bool = False
+    # torch.profiler over steps profile_step_start to profile_step_end (exclusive; null: one step) on
+    # rank 0, as Megatron-LM's --profile-step-start/--profile-step-end: <run dir>/profile/ gets a
+    # Chrome trace and each step's summary (on a GPU: kernel time by kind, and how long the device
+    # waited for the host). null: no profile.
+    profile_step_start: Optional[int] = at_least_one(None)
+    profile_step_end: Optional[int] = at_least_one(None)
     fault: FaultConfig = field(default_factory=FaultConfig)
 
 

@@ -181,7 +181,7 @@ def section_flags(sections: dict) -> list[list[str]]:
 
 
 def _data_flags(cfg: Config, layout: Layout) -> list[list[str]]:
-    """Tokenizer, data, evaluation and logging: the run's, not megatron.yaml's."""
+    """Tokenizer, data, evaluation, logging and profiling: the run's, not megatron.yaml's."""
     # A prepared dataset carries its tokenizer's files (PREFIX.tokenizer): Megatron-LM reads them, so
     # that its end-of-document id is the one the documents end with. Else token ids below the model's
     # vocabulary, the last one ending a document (NullTokenizer).
@@ -203,6 +203,12 @@ def _data_flags(cfg: Config, layout: Layout) -> list[list[str]]:
         ["--eval-interval", str(every or layout.steps)],
         ["--eval-iters", str(cfg.train.eval_iters if every else 0)],
     ]
+    start = cfg.train.profile_step_start
+    if start is not None:  # torch.profiler on rank 0 over the same steps (training.py, its schedule
+        # records steps profile_step_start to profile_step_end - 1 into --tensorboard-dir)
+        end = cfg.train.profile_step_end or start + 1
+        flags += [["--profile"], ["--use-pytorch-profiler"], ["--profile-ranks", "0"]]
+        flags += [["--profile-step-start", str(start)], ["--profile-step-end", str(end)]]
     return flags
 
 

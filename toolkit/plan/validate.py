@@ -95,6 +95,7 @@ _ERROR_RULES: tuple[Callable[[Config], Iterator[Violation]], ...] = (
     training.recompute,
     training.optim,
     training.checkpoint,
+    training.profile,
 )
 
 
@@ -139,6 +140,7 @@ def validate(
         warnings += list(experts.etp_default(cfg))
         warnings += list(experts.stage_balance(cfg))
         warnings += list(comm.costly(cfg))
+        warnings += list(training.profile_window(cfg))
         warnings += list(slow.slow_layouts(cfg, resolve(cfg)))
     return Report(tuple(errors), tuple(warnings), packages)
 

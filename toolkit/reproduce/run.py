@@ -19,7 +19,10 @@ from toolkit.reproduce.compare import compare, write
 
 # Overrides that leave the numerics alone: where files go, how often the run logs or saves, what it
 # measures, where it stops. The rest, when they differ from the baseline's, are named in the output.
-NEUTRAL = ("hydra.", "hydra/", "checkpoint.", "train.log_interval", "train.profile_memory", "train.stop_after_steps")
+NEUTRAL = (
+    *("hydra.", "hydra/", "checkpoint.", "train.log_interval", "train.profile_memory", "train.profile_step_"),
+    "train.stop_after_steps",
+)
 WARMUP_STEPS = 2  # left out of the throughput median (start-up, the first allocations)
 
 

@@ -23,6 +23,7 @@ from toolkit.train.metrics import Metrics
 from toolkit.train.preemption import Preemption
 from toolkit.train.probe import ComputeTimers, MemoryProbe, gather_ranks
 from toolkit.train.save_schedule import SaveSchedule
+from toolkit.train.step_profiler import StepProfiler
 
 
 @dataclass
@@ -145,44 +146,49 @@ def train(
     schedule = SaveSchedule(cfg, layout)
     nan_policy = NanPolicy(cfg, root, backend_name)
     preemption = Preemption(run_dir)
+    profiler = StepProfiler(cfg.train, run_dir, enabled=_rank() == 0)
     try:
         for step in range(resume.step + 1, layout.last_step + 1):
-            inject_step_faults(fault, step)
-            poison = fault.nan_at_step == step and first_attempt()
-            steps.compute.reset()  # evaluation's forward passes are not the step's
-            grads = steps.forward_backward(step, poison, watchdog.beat)
-            compute_s.append(steps.compute.seconds)
-            problem = nan_policy.problem(grads)
-            if problem:
-                nan_policy.check(problem, step, steps)
-                metrics.step(step, grads.loss, steps.lr(), None, True)
+            with profiler.step(step):
+                inject_step_faults(fault, step)
+                poison = fault.nan_at_step == step and first_attempt()
+                steps.compute.reset()  # evaluation's forward passes are not the step's
+                grads = steps.forward_backward(step, poison, watchdog.beat)
+                compute_s.append(steps.compute.seconds)
+                problem = nan_policy.problem(grads)
+                if problem:
+                    nan_policy.check(problem, step, steps)
+                    metrics.step(step, grads.loss, steps.lr(), None, True)
+                    memory.step_done()
+                    continue
+                update = steps.update()
+                metrics.step(step, grads.loss, steps.lr(), update.grad_norm, not update.applied, grads.extra)
                 memory.step_done()
-                continue
-            update = steps.update()
-            metrics.step(step, grads.loss, steps.lr(), update.grad_norm, not update.applied, grads.extra)
-            memory.step_done()
-            if cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or step == layout.last_step):
+                if cfg.train.eval_interval and (step % cfg.train.eval_interval == 0 or step == layout.last_step):
+                    with watchdog.suspended():
+                        metrics.evaluated(step, steps.evaluate())
+                save_now = schedule.due(step)
                 with watchdog.suspended():
-                    metrics.evaluated(step, steps.evaluate())
-            save_now = schedule.due(step)
-            with watchdog.suspended():
-                steps.settle_saves(blocking=save_now)  # one save in flight at a time
-                if save_now:
-                    schedule.saved(step, steps.save(root, step), metrics.history[-1]["step_time_s"])
-            if step < layout.last_step and preemption.requested():
-                with watchdog.suspended():
-                    if not save_now:
-                        steps.save(root, step)
-                    steps.settle_saves(blocking=True)
-                preemption.stopped(step, root)
-                losses = metrics.close(run_dir, complete=False)  # result.json is the finished run's
-                steps.close()
-                return losses
+                    steps.settle_saves(blocking=save_now)  # one save in flight at a time
+                    if save_now:
+                        schedule.saved(step, steps.save(root, step), metrics.history[-1]["step_time_s"])
+                if step < layout.last_step and preemption.requested():
+                    with watchdog.suspended():
+                        if not save_now:
+                            steps.save(root, step)
+                        steps.settle_saves(blocking=True)
+                    preemption.stopped(step, root)
+                    profiler.close()
+                    losses = metrics.close(run_dir, complete=False)  # result.json is the finished run's
+                    steps.close()
+                    return losses
     except FloatingPointError:
         with watchdog.suspended():
             steps.settle_saves(blocking=True)  # the save in flight holds finite weights: publish it
+        profiler.close()
         metrics.close(run_dir, complete=False)
         raise
+    profiler.close()  # a window past the last step
     with watchdog.suspended():
         steps.settle_saves(blocking=True)
         memory.close()

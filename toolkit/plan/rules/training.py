@@ -1,4 +1,4 @@
-"""Activation recompute, the optimizer's learning rates, and checkpoint intervals."""
+"""Activation recompute, the optimizer's learning rates, checkpoint intervals and the profiled steps."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import Iterator
 
 from toolkit.config.schema import Config
 from toolkit.plan.layout import stage_layer_counts
-from toolkit.plan.rules.base import Violation, divisors, err, listing
+from toolkit.plan.rules.base import Violation, divisors, err, listing, warn
 
 
 def recompute(cfg: Config) -> Iterator[Violation]:
@@ -67,4 +67,32 @@ def checkpoint(cfg: Config) -> Iterator[Violation]:
             {"checkpoint.auto_interval": True, "checkpoint.interval_steps": c.interval_steps},
             "two save intervals given: the planner's rule picks the interval in steps",
             "set checkpoint.interval_steps=null, or checkpoint.auto_interval=false",
+        )
+
+
+def profile(cfg: Config) -> Iterator[Violation]:
+    t = cfg.train
+    start, end = t.profile_step_start, t.profile_step_end
+    fields = {"train.profile_step_start": start, "train.profile_step_end": end}
+    if end is not None and start is None:
+        yield err("profile_steps", fields, "a profile needs its first step", f"set train.profile_step_start<{end}")
+    elif end is not None and end <= start:
+        yield err(
+            "profile_steps",
+            fields,
+            "the profiled steps run from profile_step_start up to, not including, profile_step_end",
+            f"set train.profile_step_end>{start} (e.g. {start + 2}), or null for one step",
+        )
+
+
+def profile_window(cfg: Config) -> Iterator[Violation]:
+    t = cfg.train
+    start, last = t.profile_step_start, t.stop_after_steps or t.steps
+    fields = {"train.profile_step_start": start, "train.profile_step_end": t.profile_step_end}
+    if start is not None and last and start > last:
+        yield warn(
+            "profile_steps",
+            fields | {"last step": last},
+            "the run ends before the first profiled step: nothing is profiled",
+            f"set train.profile_step_start<={last}",
         )
