@@ -46,3 +46,30 @@ def test_each_level_records_and_checks_what_it_says(tmp_path, level):
     truncated = "shard_1.bin has 10 bytes, the manifest says 1000"
     assert ckpt.verify(directory, "size") == ckpt.verify(directory, level, names=["shard_1.bin"]) == truncated
     assert ckpt.verify(directory, level, names=["shard_2.bin"]) is None  # a rank's share only
+
+
+def test_a_step_saved_again_keeps_the_checkpoint_it_replaces(tmp_path, capsys):
+    """A run that resumed past a damaged step 1 saves step 1 again: the damaged directory is kept
+    beside, renamed out of the resumable ones, never overwritten."""
+    first = _published(tmp_path, "sha256")
+    corrupt(first)
+    damaged = (first / "shard_0.bin").read_bytes()
+    again = _published(tmp_path, "sha256")
+    assert again == first and ckpt.verify(again) is None
+    kept = first.with_name(".step_00000001.replaced")
+    assert (kept / "shard_0.bin").read_bytes() == damaged
+    assert "kept as" in capsys.readouterr().err
+    _published(tmp_path, "sha256")  # once more: another name, nothing lost
+    assert kept.exists() and first.with_name(".step_00000001.replaced2").exists()
+    assert [p.name for p in first.parent.glob("step_*")] == ["step_00000001"]
+
+
+def test_a_run_never_starts_over_on_its_own(tmp_path):
+    unusable = [{"checkpoint": "step_00000004", "problem": "shard_0.bin fails its sha256 checksum"}]
+    with pytest.raises(ckpt.ResumeError, match="step_00000004: shard_0.bin fails its sha256 checksum.*Fix: "):
+        ckpt.refuse_to_start_over(tmp_path, unusable)
+    ckpt.refuse_to_start_over(tmp_path / "none", [])  # nothing there yet: step 0
+    ckpt.refuse_to_start_over(tmp_path / "none", None)
+    _published(tmp_path, "size")  # tmp_path/size/step_00000001
+    with pytest.raises(ckpt.ResumeError, match=r"checkpoint.resume=false, and .* \(step_00000001\).*Fix: "):
+        ckpt.refuse_to_start_over(tmp_path / "size", None)

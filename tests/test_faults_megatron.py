@@ -27,6 +27,7 @@ from training_runs import (
 )
 
 from toolkit.train import checkpoint as ckpt
+from toolkit.train.faults import corrupt
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_processes_left_behind")]
 
@@ -159,6 +160,26 @@ def test_corrupt_newest_checkpoint_is_detected_and_the_previous_one_used(tmp_pat
     again = resumed(tmp_path, corrupt_newest, *PP2)
     assert_resumed_before_the_corrupt_checkpoint(again)
     assert_same_training(uninterrupted["pp2"], again, EXACT)
+    # step 4 saved again: the damaged one is kept beside, not overwritten
+    root = again.run_dir / "checkpoints"
+    assert ckpt.verify(root / "step_00000004") is None
+    assert "fails its sha256 checksum" in ckpt.verify(root / ".step_00000004.replaced")
+
+
+def test_a_run_whose_every_checkpoint_is_damaged_refuses_to_start_over(tmp_path, corrupt_newest):
+    """Step 4 damaged by the run, step 2 here: the resume names both and exits 1, and so does a
+    start from step 0 (checkpoint.resume=false) over them; neither touches the checkpoints."""
+    shutil.copytree(corrupt_newest, tmp_path / "run")
+    root = tmp_path / "run" / "checkpoints"
+    corrupt(root / "step_00000002")
+    before = sorted((p.relative_to(root), p.stat().st_mtime_ns) for p in root.rglob("*"))
+    for extra in ([], ["checkpoint.resume=false"]):
+        result = run(tmp_path, "run", *PP2, *extra)
+        assert result.returncode == 1, result.stderr[-3000:]
+        assert "Traceback" not in result.stderr and "Fix: " in result.stderr
+        named = ["step_00000004: ", "step_00000002: "] if not extra else ["(step_00000002, step_00000004)"]
+        assert all(name in result.stderr for name in named), result.stderr[-3000:]
+        assert sorted((p.relative_to(root), p.stat().st_mtime_ns) for p in root.rglob("*")) == before
 
 
 @pytest.mark.mutation

@@ -6,7 +6,11 @@ rank 0 lists every file with its entry in manifest.json, renames the directory t
 `<root>/step_00000042` (atomic on one filesystem) and points `<root>/latest` at it (written to a
 temporary file and renamed). Only a directory whose manifest matches its files (checked by every
 rank over its share) is resumed from; a corrupt or unfinished newest checkpoint is reported and
-the previous good one is used. The last `keep_last` published checkpoints are kept.
+the previous good one is used, and when that run saves the damaged one's step again the damaged
+one is kept beside as `.step_00000042.replaced`: a published step directory is never overwritten.
+Where no checkpoint can be resumed, or checkpoint.resume=false finds an earlier run's, the run
+refuses to start over (ResumeError) rather than train from step 0 over them. The last `keep_last`
+published checkpoints are kept.
 """
 
 from __future__ import annotations
@@ -14,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import sys
 import zlib
 from dataclasses import dataclass, field
 from functools import partial
@@ -107,12 +112,45 @@ def publish(
     files = dict(sorted(files.items()))
     write_atomic(staging / MANIFEST, json.dumps({"step": step, "files": files, **(extra or {})}, indent=1))
     final = root / step_name(step)
-    shutil.rmtree(final, ignore_errors=True)
+    if final.exists():  # a checkpoint passed over at resume (it failed verification): kept, never overwritten
+        kept = set_aside(final)
+        print(f"checkpoint {final.name} exists: kept as {kept}", file=sys.stderr, flush=True)
     os.replace(staging, final)
     write_atomic(root / LATEST, final.name + "\n")
     for old in sorted(root.glob("step_*"))[:-keep_last] if keep_last > 0 else []:
         shutil.rmtree(old, ignore_errors=True)
     return final
+
+
+def set_aside(directory: Path) -> Path:
+    """Rename a published checkpoint out of the resumable ones (`step_*`), keeping its files:
+    <root>/.step_00000042.replaced (a number added when that is taken)."""
+    target, n = directory.with_name(f".{directory.name}.replaced"), 1
+    while target.exists():
+        n += 1
+        target = directory.with_name(f".{directory.name}.replaced{n}")
+    os.replace(directory, target)
+    return target
+
+
+def refuse_to_start_over(root: Path, unusable: list[dict]) -> None:
+    """Raise ResumeError where a run would start at step 0 over checkpoints of an earlier run:
+    every one of them unusable (`unusable`: what resume found), or checkpoint.resume=false
+    (`unusable` None) with published checkpoints in `root`. Starting over is the user's call."""
+    if unusable:
+        listing = "; ".join(f"{u['checkpoint']}: {u['problem']}" for u in unusable)
+        raise ResumeError(
+            f"no checkpoint under {root} can be resumed ({listing}), and a run does not start over by itself. "
+            "Fix: repair them, or move them out of that folder (or set checkpoint.dir to another one) to start "
+            "from step 0"
+        )
+    published = sorted(p.name for p in root.glob("step_*")) if unusable is None and root.is_dir() else []
+    if published:
+        raise ResumeError(
+            f"checkpoint.resume=false, and {root} holds checkpoints of an earlier run ({', '.join(published)}), "
+            "which this run's saves would mix with. Fix: set checkpoint.dir to another folder, move them away, "
+            "or set checkpoint.resume=true to continue from the newest"
+        )
 
 
 def listed_files(directory: Path) -> tuple[dict | None, str | None]:
@@ -249,7 +287,6 @@ def _publish_collectively(
     """(every rank, after every rank's writes) Every rank checksums its share of the files
     (`share`: in parallel, not rank 0 alone), rank 0 merges the lists into the manifest and
     publishes. Fault injection: rank 0 dies before publishing, or damages the published checkpoint."""
-    import sys
     import time
 
     import torch
@@ -302,8 +339,6 @@ def verify_collectively(directory: Path, level: str = "sha256") -> str | None:
 def find_collectively(root: Path, level: str = "sha256") -> tuple[Path | None, list[dict]]:
     """The newest good checkpoint, verified by every rank in parallel (`verify_collectively`):
     (it or None, the checkpoints passed over). Rank 0 lists the candidates for everyone."""
-    import sys
-
     import torch
 
     rank0 = torch.distributed.get_rank() == 0
@@ -317,6 +352,8 @@ def find_collectively(root: Path, level: str = "sha256") -> tuple[Path | None, l
         candidates=[Path(c) for c in listing[0]],
         check=lambda candidate: verify_collectively(candidate, level),
     )
+    if found is None:
+        refuse_to_start_over(root, unusable)
     return found, unusable
 
 

@@ -17,7 +17,7 @@ import torch
 
 from toolkit.config.schema import Config
 from toolkit.plan.layout import Layout
-from toolkit.train.checkpoint import Resume
+from toolkit.train.checkpoint import Resume, refuse_to_start_over
 from toolkit.train.faults import Watchdog, first_attempt, inject_step_faults
 from toolkit.train.metrics import Metrics
 from toolkit.train.preemption import Preemption
@@ -139,6 +139,8 @@ def train(
     compute_s = []  # this rank's forward+backward compute seconds per step
     root = checkpoint_root(cfg, run_dir)
     fault = cfg.train.fault
+    if not cfg.checkpoint.resume:  # from step 0: never over an earlier run's checkpoints
+        refuse_to_start_over(root, None)
     resume = steps.load(root) if cfg.checkpoint.resume else Resume()
     steps.begin_at(resume.step)
     metrics = Metrics(cfg, layout, run_dir, enabled=_rank() == 0, resume=resume, kernels=steps.kernels())
