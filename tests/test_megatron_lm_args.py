@@ -147,3 +147,10 @@ def test_the_profiled_steps_reach_megatron_lm(compose, end, steps):
     assert (parsed.profile_step_start, parsed.profile_step_end) == steps
     _, _, _, plain = command_line(compose, ["recipe=llama3_8b_8xh100"])
     assert not PARSER.parse_args(words(plain)).profile
+
+
+def test_save_on_stop_reaches_megatron_lm(compose):
+    """train.fault.save_on_stop: Megatron-LM's --exit-signal-handler (save after the iteration, exit)."""
+    for save, handled in ((["train.fault.save_on_stop=true"], True), ([], False)):
+        _, _, _, text = command_line(compose, ["recipe=llama3_8b_8xh100", *save])
+        assert PARSER.parse_args(words(text)).exit_signal_handler is handled

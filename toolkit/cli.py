@@ -19,12 +19,15 @@ import argparse
 import math
 import os
 import re
+import signal
 import sys
 import textwrap
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
+
+from toolkit.train.stop import Stopped
 
 # What each data choice trains on, for the summary line (data.path, when set, is named instead).
 DATA_DESCRIPTIONS = {
@@ -751,6 +754,10 @@ def main(argv: list[str] | None = None) -> int:
         return 1
     except SystemExit as e:  # argparse (bad option: 2) and Hydra (composition error: 1) exit
         return e.code if isinstance(e.code, int) else 1
+    except (Stopped, KeyboardInterrupt) as e:  # what it started has ended (toolkit.train.stop)
+        stopped = e if isinstance(e, Stopped) else Stopped(signal.SIGINT)
+        print(f"parakit {command.name}: {stopped}; every process it started has ended", file=sys.stderr, flush=True)
+        return stopped.exit_code
 
 
 if __name__ == "__main__":

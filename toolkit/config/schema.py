@@ -560,6 +560,9 @@ class FaultConfig:
     oom_at_step: Optional[int] = None  # ... at the start of this step (raised as the allocator raises it)
     crash_in_save_at_step: Optional[int] = None  # rank 0 dies after writing, before publishing, this save
     corrupt_checkpoint_at_step: Optional[int] = None  # the checkpoint of this step is damaged after publishing
+    # SIGTERM, SIGINT or SIGHUP to `parakit train`: finish the step, save it, then stop (Megatron-LM's
+    # --exit-signal-handler); a second signal stops at once. false: every rank stops at once.
+    save_on_stop: bool = False
 
 
 @dataclass

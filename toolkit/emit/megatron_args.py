@@ -181,7 +181,7 @@ def section_flags(sections: dict) -> list[list[str]]:
 
 
 def _data_flags(cfg: Config, layout: Layout) -> list[list[str]]:
-    """Tokenizer, data, evaluation, logging and profiling: the run's, not megatron.yaml's."""
+    """Tokenizer, data, evaluation, logging, profiling and the stop signal: the run's, not megatron.yaml's."""
     # A prepared dataset carries its tokenizer's files (PREFIX.tokenizer): Megatron-LM reads them, so
     # that its end-of-document id is the one the documents end with. Else token ids below the model's
     # vocabulary, the last one ending a document (NullTokenizer).
@@ -209,6 +209,8 @@ def _data_flags(cfg: Config, layout: Layout) -> list[list[str]]:
         end = cfg.train.profile_step_end or start + 1
         flags += [["--profile"], ["--use-pytorch-profiler"], ["--profile-ranks", "0"]]
         flags += [["--profile-step-start", str(start)], ["--profile-step-end", str(end)]]
+    if cfg.train.fault.save_on_stop:  # SIGTERM: save after the iteration, then exit (training.py)
+        flags.append(["--exit-signal-handler"])
     return flags
 
 

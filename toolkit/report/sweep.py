@@ -17,11 +17,8 @@ import dataclasses
 import fcntl
 import io
 import json
-import os
 import re
-import signal
 import statistics
-import subprocess
 import time
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -67,7 +64,6 @@ def columns() -> tuple[str, ...]:
 
 
 FINISHED = ("ok", "out_of_memory", "failed", "timed_out", "invalid")
-STOP_GRACE_S = 40.0  # torchrun's own grace for its ranks (30 s) and its exit
 OOM_SIGNS = ("CUDA out of memory", "OutOfMemoryError", "out of memory", "Cannot allocate memory")
 
 
@@ -210,30 +206,15 @@ def _train(cfg: Config, layout: Layout, run_dir: Path, timeout_s: float) -> tupl
     """Train the point in its own process group (torchrun for every world size: a crash or a
     hang stays there); (exit code or None on timeout, the log's last lines)."""
     from toolkit.train.launch import torchrun_command, torchrun_env
+    from toolkit.train.stop import run_group
 
     env = torchrun_env(cfg)
     command = torchrun_command(layout, run_dir, layout.world_size, cfg.train.fault.max_restarts)
     log = run_dir / "train.log"
+    # torchrun starts each rank in a session of its own (torch/distributed/elastic/multiprocessing/
+    # subprocess_handler): on a timeout, SIGTERM makes torchrun stop its ranks (toolkit.train.stop)
     with open(log, "w") as out:
-        proc = subprocess.Popen(command, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
-        try:
-            code = proc.wait(timeout=timeout_s)
-        except subprocess.TimeoutExpired:
-            code = None
-            # torchrun starts each rank in a session of its own (torch/distributed/elastic/
-            # multiprocessing/subprocess_handler): a SIGKILL to torchrun's group would leave them
-            # running. SIGTERM makes torchrun stop its ranks (SIGTERM, then SIGKILL after 30 s).
-            os.killpg(proc.pid, signal.SIGTERM)
-            try:
-                proc.wait(timeout=STOP_GRACE_S)
-            except subprocess.TimeoutExpired:
-                pass
-        finally:
-            try:
-                os.killpg(proc.pid, signal.SIGKILL)
-            except ProcessLookupError:
-                pass
-            proc.wait()
+        code = run_group(command, env=env, stdout=out, timeout_s=timeout_s)
     return code, error_summary(log.read_text(errors="replace").splitlines())
 
 

@@ -110,9 +110,12 @@ def common_vocab(cfg: Config, runs: list[Variant]) -> int:
 
 
 def _train(command: list[str], run_dir: Path) -> int:
+    """One variant's `parakit train`, in a session of its own: a stop signal stops it (and its ranks)."""
+    from toolkit.train.stop import run_group
+
     run_dir.mkdir(parents=True, exist_ok=True)
     with open(run_dir / "reproduce-train.log", "w") as log:
-        return subprocess.run(command, stdout=log, stderr=subprocess.STDOUT).returncode
+        return run_group(command, stdout=log)
 
 
 def reproduce_layouts(cfg: Config, opts, recipe: str, overrides: list[str], out_dir: Path) -> int:

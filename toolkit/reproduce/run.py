@@ -21,7 +21,7 @@ from toolkit.reproduce.compare import compare, write
 # measures, where it stops. The rest, when they differ from the baseline's, are named in the output.
 NEUTRAL = (
     *("hydra.", "hydra/", "checkpoint.", "train.log_interval", "train.profile_memory", "train.profile_step_"),
-    "train.stop_after_steps",
+    *("train.stop_after_steps", "train.fault.save_on_stop"),
 )
 WARMUP_STEPS = 2  # left out of the throughput median (start-up, the first allocations)
 

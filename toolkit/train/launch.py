@@ -1,4 +1,5 @@
-"""Start training for `parakit train`: in this process for one rank, else through torchrun.
+"""Start training for `parakit train`: in this process for one rank, else through torchrun; a stop
+signal stops every rank (toolkit.train.stop).
 
 parakit never implements a process launcher: several local ranks run under torchrun
 (`--standalone`, with --max-restarts), exactly as launch.sh starts them, through
@@ -10,13 +11,14 @@ from __future__ import annotations
 import os
 import shlex
 import signal
-import subprocess
 import sys
 from pathlib import Path
 
 from toolkit.config.schema import Config
-from toolkit.emit.launch import TORCHRUN_ENV, rank_env
+from toolkit.emit.launch import REQUEST, TORCHRUN_ENV, rank_env
+from toolkit.formats.atomic import write_atomic
 from toolkit.plan.layout import Layout
+from toolkit.train.stop import Stopped, run_group, stoppable
 
 
 def torchrun_command(layout: Layout, run_dir: Path, nproc: int, max_restarts: int = 0) -> list[str]:
@@ -55,30 +57,43 @@ def train_here(cfg: Config, layout: Layout, run_dir: Path, detach: bool = False)
         from toolkit.train.slurm import submit
 
         return submit(cfg, run_dir, detach)
-    if layout.world_size == 1 or "LOCAL_RANK" in os.environ:
-        from toolkit.train.trainer import quiet_upstream_notices, run_to_exit_code
-
-        for name, value in rank_env(cfg.cluster.device).items():  # before CUDA starts in this process
-            os.environ.setdefault(name, value)
-        quiet_upstream_notices()
-        return run_to_exit_code(cfg, run_dir)
-    env = torchrun_env(cfg)
+    graceful = _save_and_stop(run_dir) if cfg.train.fault.save_on_stop else None
+    if "LOCAL_RANK" in os.environ:  # a rank under torchrun: torchrun stops it
+        return _train_in_this_process(cfg, run_dir)
+    if layout.world_size == 1:
+        with stoppable(graceful) as received:
+            code = _train_in_this_process(cfg, run_dir)
+        if received:  # stopped at a step boundary with its checkpoint
+            raise Stopped(received[0])
+        return code
     print(f"parakit train: starting {layout.world_size} ranks with torchrun", flush=True)
     command = torchrun_command(layout, run_dir, layout.world_size, cfg.train.fault.max_restarts)
-    # A session of its own: when torchrun is done, whatever its ranks left behind (e.g. the
-    # multiprocessing resource trackers of ranks that were killed, which hold our stdout open)
-    # goes with it.
-    proc = subprocess.Popen(command, env=env, start_new_session=True)
-    try:
-        return proc.wait()
-    except KeyboardInterrupt:
-        os.killpg(proc.pid, signal.SIGTERM)
-        return proc.wait()
-    finally:
-        try:
-            os.killpg(proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    return run_group(command, env=torchrun_env(cfg), graceful=graceful)
+
+
+def _train_in_this_process(cfg: Config, run_dir: Path) -> int:
+    from toolkit.train.trainer import quiet_upstream_notices, run_to_exit_code
+
+    for name, value in rank_env(cfg.cluster.device).items():  # before CUDA starts in this process
+        os.environ.setdefault(name, value)
+    quiet_upstream_notices()
+    return run_to_exit_code(cfg, run_dir)
+
+
+def _save_and_stop(run_dir: Path):
+    """train.fault.save_on_stop: the first stop signal asks the ranks to stop after the step
+    they are in, with its checkpoint (the preemption request, toolkit.train.preemption)."""
+
+    def ask(signum: int) -> bool:
+        write_atomic(run_dir / REQUEST, f"{signal.Signals(signum).name}\n")
+        print(
+            f"parakit train: {signal.Signals(signum).name}: saving after this step, then stopping "
+            "(signal again to stop at once)",
+            flush=True,
+        )
+        return True
+
+    return ask
 
 
 def dry_run(cfg: Config, layout: Layout, run_dir: Path) -> int:
