@@ -15,6 +15,7 @@ import ctypes
 import os
 import signal
 import subprocess
+import sys
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 GRACE_S = 40.0  # torchrun's own grace for its ranks (30 s) and its exit
@@ -55,7 +56,7 @@ def stoppable(graceful=None):
             signal.signal(s, action)
 
 
-def _die_with_parent() -> None:  # in the child, before exec
+def _die_with_parent() -> None:  # in the child, before exec (Linux; elsewhere a kill -9 may orphan)
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
@@ -82,7 +83,7 @@ def run_group(command: list[str], env=None, stdout=None, timeout_s: float | None
         stdout=stdout,
         stderr=subprocess.STDOUT if stdout is not None else None,
         start_new_session=True,
-        preexec_fn=_die_with_parent,
+        preexec_fn=_die_with_parent if sys.platform == "linux" else None,
     )
     try:
         with stoppable(graceful) as received:
