@@ -29,6 +29,7 @@ scores, times an allowance for uneven routing (the capacity factor, when tokens 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from functools import partial
 
 from toolkit.config.schema import Config, ModelConfig, expert_ffn_size, head_dim, kv_heads
 from toolkit.plan.backends import Backend, GradReduce, backend_named, backend_of
@@ -240,44 +241,29 @@ def stage_memory(cfg: Config, layout: Layout, stage: int, flash: bool | None = N
         states += ModelStates(params.total * nbytes / cfg.comm.hpz_partition_size, 0.0, 0.0)
 
     seq = layout.seq_length // layout.cp
-    eager = backend.eager_norm_activations
-    per_layer = layer_activation_bytes(
-        m, layout.micro_batch, seq, layout.tp, p.sequence_parallel, nbytes, flash, r.granularity, eager=eager
+    # one layer's kept bytes on this stage, by recompute granularity (and MoE: moe, imbalance)
+    layer_bytes = partial(
+        layer_activation_bytes,
+        m,
+        layout.micro_batch,
+        seq,
+        layout.tp,
+        p.sequence_parallel,
+        nbytes,
+        flash,
+        eager=backend.eager_norm_activations,
     )
+    per_layer = layer_bytes(r.granularity)
     layers_per_chunk = layout.stage_layers[stage] // layout.vpp
     chunks = inflight_chunks(layout.pp, layout.vpp, layout.num_microbatches, stage)
     activations = chunks * layers_per_chunk * per_layer
     imbalance = routing_imbalance(m)
     if params.moe_layers:  # those of the chunk's layers that are MoE layers keep more
-        per_moe_layer = layer_activation_bytes(
-            m,
-            layout.micro_batch,
-            seq,
-            layout.tp,
-            p.sequence_parallel,
-            nbytes,
-            flash,
-            r.granularity,
-            True,
-            imbalance,
-            eager,
-        )
+        per_moe_layer = layer_bytes(r.granularity, True, imbalance)
         activations += chunks * params.moe_layers / layout.vpp * (per_moe_layer - per_layer)
     tokens = layout.gpu_tokens
     if r.granularity == "full":  # one chunk's layers are live again while recomputed
-        activations += r.num_layers * layer_activation_bytes(
-            m,
-            layout.micro_batch,
-            seq,
-            layout.tp,
-            p.sequence_parallel,
-            nbytes,
-            flash,
-            "none",
-            bool(params.moe_layers),
-            imbalance,
-            eager,
-        )
+        activations += r.num_layers * layer_bytes("none", bool(params.moe_layers), imbalance)
     if stage == 0:  # embedding output kept for the first layer's backward
         activations += chunks * tokens * m.hidden_size * nbytes / (layout.tp if p.sequence_parallel else 1)
 

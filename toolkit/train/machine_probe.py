@@ -181,6 +181,17 @@ def collective_times(
     return out
 
 
+def _gather_to_queue(result: dict, rank: int, world: int, queue) -> None:
+    """(every rank of a probe's process group) Rank 0 puts every rank's `result`, in rank order, on `queue`."""
+    import torch.distributed as dist
+
+    gathered = [None] * world if rank == 0 else None
+    dist.gather_object(result, gathered, dst=0)
+    if rank == 0:
+        queue.put(gathered)
+    dist.barrier()
+
+
 def _rank_main(world: int, port: int, compute_ranks: int, rank: int, queue) -> None:
     os.environ.update(OMP_NUM_THREADS="1")
     import torch
@@ -197,11 +208,7 @@ def _rank_main(world: int, port: int, compute_ranks: int, rank: int, queue) -> N
             result["stream"] = stream_times()
         dist.barrier()
         result["collectives"] = collective_times(rank, world)
-        gathered = [None] * world if rank == 0 else None
-        dist.gather_object(result, gathered, dst=0)
-        if rank == 0:
-            queue.put(gathered)
-        dist.barrier()
+        _gather_to_queue(result, rank, world, queue)
     finally:
         dist.destroy_process_group()
 
@@ -534,11 +541,7 @@ def _gpu_rank_main(world: int, port: int, shapes: list, sizes: GpuSizes, rank: i
         if rank == 0:
             _say(f"NCCL all-reduce, all-gather, reduce-scatter and send/recv among the {world} GPUs ...")
         result["collectives"] = collective_times(rank, world, f"cuda:{rank}", sizes.collective_bytes)
-        gathered = [None] * world if rank == 0 else None
-        dist.gather_object(result, gathered, dst=0)
-        if rank == 0:
-            queue.put(gathered)
-        dist.barrier()
+        _gather_to_queue(result, rank, world, queue)
     finally:
         dist.destroy_process_group()
 
