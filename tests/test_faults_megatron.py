@@ -6,6 +6,7 @@ resumed from is read from its result.json. Mutations: a resume that drops the sc
 the random state, and one that gives up at a corrupt checkpoint and starts from scratch, are
 caught."""
 
+import json
 import os
 import re
 import shutil
@@ -123,6 +124,43 @@ def test_resume_into_another_layout(tmp_path, uninterrupted):
     moved = Trained(moved.run_dir)
     assert moved.result["resumed_step"] == 2  # a new run directory: its records start after the checkpoint
     assert_same_training(uninterrupted["pp2"].after(2), moved, ANOTHER_LAYOUT)
+
+
+# Wide enough that the checkpoint (~440 MB) stands well above the host memory's sampling noise.
+WIDE = ["train.steps=4", "model.hidden_size=512", "model.ffn_hidden_size=1536", "model.num_attention_heads=8"]
+
+
+def rank_bytes(checkpoint) -> dict[int, int]:
+    """Bytes each rank wrote into a dist_checkpointing save (its files: __RANK_THREAD.distcp)."""
+    written = {}
+    for path in (checkpoint / "model_optim").glob("__*.distcp"):
+        rank = int(path.name.split("_")[2])
+        written[rank] = written.get(rank, 0) + path.stat().st_size
+    return written
+
+
+def test_each_rank_writes_its_share_and_another_dp_resumes(tmp_path):
+    """dp=2: each rank writes half the checkpoint (its own optimizer shard, half the replicated
+    weights) and holds less than that in host memory while writing: no gather, as the fully
+    reshardable format did (every rank held the whole optimizer state). The step-2 checkpoint
+    resumes on one rank (dp=1) with the dp=2 run's steps 3-4."""
+    both = run(tmp_path, "dp2", "cluster.gpus_per_node=2", *WIDE)
+    assert both.returncode == 0, both.stderr[-3000:]
+    both = Trained(both.run_dir)
+    step2 = both.checkpoints / "step_00000002"
+    written = rank_bytes(step2)
+    share = sum(written.values()) / 2
+    assert sorted(written) == [0, 1] and max(written.values()) <= 1.1 * share, written
+    held = json.loads((step2 / ckpt.MANIFEST).read_text())["write_peak_extra_bytes"]
+    assert max(held) <= 1.1 * share, (held, share)
+    checkpoints = tmp_path / "checkpoints"
+    shutil.copytree(step2, checkpoints / step2.name)
+    (checkpoints / ckpt.LATEST).write_text(step2.name + "\n")
+    one = run(tmp_path, "dp1", "cluster.gpus_per_node=1", *WIDE, f"checkpoint.dir={checkpoints}")
+    assert one.returncode == 0, one.stderr[-3000:]
+    one = Trained(one.run_dir)
+    assert one.result["resumed_step"] == 2
+    assert_same_training(both.after(2), one, ANOTHER_LAYOUT)
 
 
 def test_killed_rank_restarts_and_resumes_exactly(tmp_path, uninterrupted):

@@ -162,12 +162,16 @@ def _train(cfg, opts) -> int:
     if written is None:
         return 2
     layout, run_dir = written
+    from toolkit.train.checkpoint import ResumeError
     from toolkit.train.launch import dry_run, train_here
 
     if opts.dry_run:
         return dry_run(cfg, layout, run_dir)
-
-    return train_here(cfg, layout, run_dir, detach=opts.detach)
+    try:
+        return train_here(cfg, layout, run_dir, detach=opts.detach)
+    except ResumeError as e:  # a checkpoint this layout cannot resume from (its conversion, before any rank)
+        print(f"parakit train: {e}", file=sys.stderr)
+        return 1
 
 
 def _data_prepare(cfg, opts) -> int:

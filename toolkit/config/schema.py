@@ -766,6 +766,10 @@ class CheckpointConfig:
     # megatron backend: write the shards from a forked process while training goes on
     # (megatron-core's asynchronous dist_checkpointing save); published when the writes are done.
     async_save: bool = False
+    # megatron backend: save the distributed optimizer in model space, gathered over each data-parallel
+    # group (slower, more memory), so that any tp/pp/vpp/cp/ep resumes it directly; false: each rank
+    # writes its own shards, resumable at any dp (parakit train converts it once for another layout).
+    reshardable: bool = False
     resume: bool = True  # continue from the newest good checkpoint in `dir`
     # Per file: sha256 | crc32 | size (toolkit.train.checkpoint); every rank checksums its share.
     verify: CheckpointVerify = CheckpointVerify.sha256

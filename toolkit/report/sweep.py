@@ -209,7 +209,7 @@ def _train(cfg: Config, layout: Layout, run_dir: Path, timeout_s: float) -> tupl
     from toolkit.train.stop import run_group
 
     env = torchrun_env(cfg)
-    command = torchrun_command(layout, run_dir, layout.world_size, cfg.train.fault.max_restarts)
+    command = torchrun_command(run_dir, layout.world_size, cfg.train.fault.max_restarts)
     log = run_dir / "train.log"
     # torchrun starts each rank in a session of its own (torch/distributed/elastic/multiprocessing/
     # subprocess_handler): on a timeout, SIGTERM makes torchrun stop its ranks (toolkit.train.stop)

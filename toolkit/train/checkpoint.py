@@ -20,6 +20,7 @@ import os
 import shutil
 import sys
 import zlib
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
@@ -271,9 +272,10 @@ def save_collectively(
         (prepare(root, step) / "rng").mkdir()
     torch.distributed.barrier()
     staging = partial_dir(root, step)
-    finish_later = write(staging)
-    torch.save(rng_state, staging / "rng" / f"rank_{rank:05d}.pt")
-    finish = partial(_publish_collectively, root, step, keep_last, fault, trainer_state, started, level)
+    with PeakMemory() as held:
+        finish_later = write(staging)
+        torch.save(rng_state, staging / "rng" / f"rank_{rank:05d}.pt")
+    finish = partial(_publish_collectively, root, step, keep_last, fault, trainer_state, started, level, held.extra)
     if finish_later is None:
         finish()
     else:
@@ -282,11 +284,12 @@ def save_collectively(
 
 
 def _publish_collectively(
-    root: Path, step: int, keep_last: int, fault, trainer_state: dict, started: float, level: str
+    root: Path, step: int, keep_last: int, fault, trainer_state: dict, started: float, level: str, held: int = 0
 ) -> None:
     """(every rank, after every rank's writes) Every rank checksums its share of the files
-    (`share`: in parallel, not rank 0 alone), rank 0 merges the lists into the manifest and
-    publishes. Fault injection: rank 0 dies before publishing, or damages the published checkpoint."""
+    (`share`: in parallel, not rank 0 alone), rank 0 merges the lists into the manifest, with the
+    host memory each rank's write held (`held`), and publishes. Fault injection: rank 0 dies
+    before publishing, or damages the published checkpoint."""
     import time
 
     import torch
@@ -304,13 +307,16 @@ def _publish_collectively(
     torch.distributed.barrier()
     written = time.perf_counter()
     sizes = {str(p.relative_to(staging)): p.stat().st_size for p in _files(staging)}
-    mine = {name: file_entry(staging / name, level) for name in share(sizes, rank, world)}
+    names = share(sizes, rank, world)
+    with ThreadPoolExecutor(max(1, min(len(names), os.cpu_count() or 1, 4))) as pool:  # hashlib frees the GIL
+        mine = dict(zip(names, pool.map(lambda name: file_entry(staging / name, level), names)))
     everyone = [None] * world if rank == 0 else None
-    torch.distributed.gather_object(mine, everyone, dst=0)
+    torch.distributed.gather_object((mine, held), everyone, dst=0)
     if rank == 0:
-        files = {name: entry for entries in everyone for name, entry in entries.items()}
+        files = {name: entry for entries, _ in everyone for name, entry in entries.items()}
         seconds = {"write_seconds": written - started, "checksum_seconds": time.perf_counter() - written}
-        published = publish(root, step, keep_last, {**seconds, "verify": level}, files=files)
+        memory = {"write_peak_extra_bytes": [extra for _, extra in everyone]}  # per rank
+        published = publish(root, step, keep_last, {**seconds, **memory, "verify": level}, files=files)
         print(
             f"saved checkpoint {published} ({time.perf_counter() - started:.1f} s; {level} checksums on {world} "
             f"rank(s) {seconds['checksum_seconds']:.2f} s)",
@@ -319,6 +325,36 @@ def _publish_collectively(
         if fault.corrupt_checkpoint_at_step == step and first_attempt():
             corrupt(published)
     torch.distributed.barrier()
+
+
+class PeakMemory:
+    """The most resident host memory this process held above where it started, over a `with`
+    block (`extra`, bytes): sampled every 2 ms by a thread, as a save's clones, gathers and write
+    buffers come and go faster than a per-step probe sees."""
+
+    def __init__(self, interval_s: float = 0.002):
+        self.interval_s, self.extra = interval_s, 0
+
+    def __enter__(self) -> "PeakMemory":
+        import threading
+
+        import psutil
+
+        self._process, self._done = psutil.Process(), threading.Event()
+        self._start = self._peak = self._process.memory_info().rss
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def _sample(self) -> None:
+        while not self._done.wait(self.interval_s):
+            self._peak = max(self._peak, self._process.memory_info().rss)
+
+    def __exit__(self, *exc) -> None:
+        self._done.set()
+        self._thread.join()
+        self._peak = max(self._peak, self._process.memory_info().rss)
+        self.extra = self._peak - self._start
 
 
 def verify_collectively(directory: Path, level: str = "sha256") -> str | None:

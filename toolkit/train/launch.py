@@ -17,12 +17,14 @@ from pathlib import Path
 from toolkit.config.schema import Config
 from toolkit.emit.launch import REQUEST, TORCHRUN_ENV, rank_env
 from toolkit.formats.atomic import write_atomic
+from toolkit.plan.backends import backend_of
 from toolkit.plan.layout import Layout
 from toolkit.train.stop import Stopped, run_group, stoppable
 
 
-def torchrun_command(layout: Layout, run_dir: Path, nproc: int, max_restarts: int = 0) -> list[str]:
-    """torchrun (toolkit.train.torchrun: failed ranks reported in one message) on this node."""
+def torchrun_command(run_dir: Path, nproc: int, max_restarts: int = 0, module: str = "toolkit.train") -> list[str]:
+    """torchrun (toolkit.train.torchrun: failed ranks reported in one message) on this node, each
+    rank running `module` on the run directory's config.yaml."""
     return [
         sys.executable,
         "-m",
@@ -35,7 +37,7 @@ def torchrun_command(layout: Layout, run_dir: Path, nproc: int, max_restarts: in
         "--max-restarts",
         str(max_restarts),
         "-m",
-        "toolkit.train",
+        module,
         "--config-dir",
         str(run_dir),
         "--config-name",
@@ -60,6 +62,10 @@ def train_here(cfg: Config, layout: Layout, run_dir: Path, detach: bool = False)
     graceful = _save_and_stop(run_dir) if cfg.train.fault.save_on_stop else None
     if "LOCAL_RANK" in os.environ:  # a rank under torchrun: torchrun stops it
         return _train_in_this_process(cfg, run_dir)
+    if backend_of(cfg).name == "megatron":
+        from toolkit.train.megatron_reshard import convert_for_layout
+
+        convert_for_layout(cfg, layout, run_dir)
     if layout.world_size == 1:
         with stoppable(graceful) as received:
             code = _train_in_this_process(cfg, run_dir)
@@ -67,7 +73,7 @@ def train_here(cfg: Config, layout: Layout, run_dir: Path, detach: bool = False)
             raise Stopped(received[0])
         return code
     print(f"parakit train: starting {layout.world_size} ranks with torchrun", flush=True)
-    command = torchrun_command(layout, run_dir, layout.world_size, cfg.train.fault.max_restarts)
+    command = torchrun_command(run_dir, layout.world_size, cfg.train.fault.max_restarts)
     return run_group(command, env=torchrun_env(cfg), graceful=graceful)
 
 
@@ -105,7 +111,7 @@ def dry_run(cfg: Config, layout: Layout, run_dir: Path) -> int:
     if layout.world_size == 1:
         print(f"would train in this process: python -m toolkit.train --config-dir {run_dir} --config-name config")
     else:
-        command = torchrun_command(layout, run_dir, layout.world_size, cfg.train.fault.max_restarts)
+        command = torchrun_command(run_dir, layout.world_size, cfg.train.fault.max_restarts)
         print(f"would run: {shlex.join(command)}")
     print("dry run: nothing started")
     return 0

@@ -3,7 +3,9 @@ Transformer Engine or apex (megatron/core/optimizer/__init__.py): on CPU, and on
 CUDA torch. Resuming from a checkpoint needs three fixes there:
 - torch's AdamW creates its states at the first step, but the load template is built from the
   states: a fresh optimizer gets zero states of the right shapes (`seed_states`);
-- the checkpoint has no per-parameter 'step' for megatron-core to copy: loading tolerates it;
+- the checkpoint has no per-parameter 'step' for megatron-core to copy: loading tolerates it, and
+  the dp_reshardable load must not copy the fresh optimizer's zero 'step' over the one the
+  checkpoint's param_groups restored (it hands the state template's own tensors back for it);
 - after a load all parameters would share one 'step' tensor, which torch then increments once
   per parameter (a wrong bias correction from the second resumed step): each gets its own.
 """
@@ -33,7 +35,7 @@ def install_resume_fixes() -> None:
             return None
 
     def set_main_param_and_optimizer_states(self, main_param, tensors):
-        return set_states(self, main_param, _Missing(tensors))
+        return set_states(self, main_param, _Missing({k: v for k, v in tensors.items() if k != "step"}))
 
     def load_state_dict(self, state_dict):
         result = load(self, state_dict)
