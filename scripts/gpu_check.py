@@ -12,7 +12,9 @@ Steps, in order (a step that fails or times out is recorded as such; the next on
    checkpoint write bandwidth of OUT's filesystem, NCCL with 2+ GPUs (about a minute), written as
    the cluster file OUT/probe/cluster/probed.yaml; on CPU this machine's cached probe.
 2. megatron: llama3_1b in bf16 (the distributed optimizer), 12 steps saved at step 6; a second
-   process resumes from that checkpoint: its steps 7-12 must equal the first run's.
+   process resumes from that checkpoint: its steps 7-12 must equal the first run's. The save's
+   size, seconds, throughput and peak extra host memory and the load's seconds are recorded; its
+   time limit follows the planner's save and step times on the probed filesystem (megatron_budget).
 3. deepspeed ZeRO-1 and ZeRO-3: the same model and batch in bf16.
 4. bench_overhead: parakit's loop against a bare megatron-core loop (scripts/bench_overhead.py).
 5. fused_adam_build: how long DeepSpeed's FusedAdam takes to JIT-compile here (parakit's GPU runs
@@ -26,7 +28,7 @@ on the datasheet cluster it ran with (GPU: the conf/cluster file of its model, 1
 and on the probed one (OUT/probe's cluster file, the run's node size).
 Results go to OUT/gpu_check.json (rewritten after every step) and every step's output to
 OUT/gpu_check.log; OUT is --out, else $OUT, else a new temporary directory. `--only a,b` runs
-those steps alone (all of them take up to 650 s on a GPU).
+those steps alone (all of them: 480 s of fixed limits plus the megatron step's budget on a GPU).
 """
 
 from __future__ import annotations
@@ -69,6 +71,9 @@ PROBED = "probed"  # the probe step's cluster file: OUT/probe/cluster/probed.yam
 # The resumed steps equal the uninterrupted ones: exactly in fp32 on CPU; in bf16 the GPU's
 # attention backward may add in another order (FlashAttention's atomics), within this of a loss near 10.
 RESUME_TOLERANCE = {"cpu": 0.0, "gpu": 1e-2}
+# A training process's start before its first step (imports, the model built): ~20 s for a 1B
+# model on one H200 (measured); the megatron step's budget counts two.
+START_S = 30
 
 
 def _environment() -> dict:
@@ -303,24 +308,74 @@ def compared(check: Check, name: str, run_dir: Path, measured: dict) -> dict:
     return measured
 
 
+def _megatron_overrides(size) -> list[str]:
+    overrides, steps, *_ = size
+    return [*overrides, *COMMON, "backend=megatron", "zero=1", f"train.steps={steps}", "checkpoint.verify=size"]
+
+
+def megatron_budget(check: Check, size) -> dict:
+    """The megatron step's time limit, from the planner: two processes started (START_S each: import,
+    build, first step's set-up), every step at the predicted step time, and three checkpoint
+    transfers (the saves at step `at` and at the end, the resumed run's load) at the predicted save
+    time on the probed filesystem's write speed (the cluster file's where no probe ran), all
+    twice over for the disk's and the machine's variation."""
+    from toolkit.config.store import compose_config
+    from toolkit.plan.checkpoint import checkpoint_bytes, estimated_save_seconds
+    from toolkit.plan.layout import resolve
+    from toolkit.plan.perf import estimate_step
+
+    _, steps, at, *_ = size
+    cfg = compose_config(_megatron_overrides(size))
+    if (check.out / "probe" / "cluster" / f"{PROBED}.yaml").is_file():
+        probed = compose_config([f"cluster={PROBED}"], config_dirs=[check.out / "probe"]).cluster
+        cfg = dataclasses.replace(cfg, cluster=dataclasses.replace(probed, nodes=1, gpus_per_node=1))
+    layout = resolve(cfg)
+    step_s, save_s = estimate_step(cfg, layout).step_time, estimated_save_seconds(cfg, layout)
+    seconds = 2 * (2 * START_S + (2 * steps - at) * step_s + 3 * save_s)
+    return {
+        "budget_s": seconds,
+        "predicted_step_time_s": step_s,
+        "predicted_save_s": save_s,
+        "checkpoint_gb": checkpoint_bytes(cfg, layout) / 1e9,
+        "write_gbs": cfg.cluster.checkpoint_write_gbs_per_node,
+        "cluster": cfg.cluster.name,
+    }
+
+
+def _save_figures(checkpoint: Path) -> dict:
+    """What one save cost (its manifest): size, seconds training waited, throughput, host memory."""
+    manifest = json.loads((checkpoint / "manifest.json").read_text())
+    size = sum(entry["bytes"] for entry in manifest["files"].values())
+    seconds = manifest["write_seconds"] + manifest["checksum_seconds"]
+    return {
+        "save_gb": size / 1e9,
+        "save_s": seconds,
+        "save_gbs": size / 1e9 / seconds,
+        "save_peak_extra_gb": max(manifest["write_peak_extra_bytes"]) / 1e9,
+    }
+
+
 def megatron_resume(check: Check, size, timeout: float) -> dict:
     """The run, saved at step 6 (and at its end); then a second process resumes from step 6's
-    checkpoint alone: its steps 7-12 must be the first run's."""
+    checkpoint alone: its steps 7-12 must be the first run's. The save's and the load's figures
+    go beside the planner's budget (`megatron_budget`)."""
     import shutil
 
-    overrides, steps, at, skip, profiled = size
-    base = [*overrides, *COMMON, "backend=megatron", "zero=1", f"train.steps={steps}", "checkpoint.verify=size"]
+    _, steps, at, skip, profiled = size
+    base = _megatron_overrides(size)
     deadline = time.monotonic() + timeout
     whole = check.out / "megatron_whole"
     argv = [*base, f"checkpoint.interval_steps={at}", *profiling(profiled)]
     result = check.train("megatron", whole, argv, timeout)
     measured = compared(check, "megatron", whole, figures(whole, result, skip, profiled))
+    measured |= _save_figures(whole / "checkpoints" / f"step_{at:08d}")
     shutil.rmtree(whole / "checkpoints" / f"step_{steps:08d}")  # the newest left is step `at`'s
     resumed = check.out / "megatron_resumed"
     left = deadline - time.monotonic()
     if left <= 0:
         raise StepFailed("timeout", measured)
-    check.train("megatron resumed", resumed, [*base, f"checkpoint.dir={whole / 'checkpoints'}"], left)
+    again = check.train("megatron resumed", resumed, [*base, f"checkpoint.dir={whole / 'checkpoints'}"], left)
+    measured["load_s"] = again.get("resume_load_seconds")
     reference = {r["step"]: r["loss"] for r in records(whole)}
     again = {r["step"]: r["loss"] for r in records(resumed)}
     if sorted(again) != list(range(at + 1, steps + 1)):
@@ -410,20 +465,32 @@ def main(argv: list[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     check = Check(out, "cpu" if args.cpu else "gpu", args.python)
     size = CPU if args.cpu else datasheet_size(torch.cuda.get_device_name(0))
-    # Timeouts, seconds, 650 in all (a 1B model: ~20 s to import and build, ~20 s per 17 GB save or
-    # load of megatron's distributed-optimizer checkpoint; DeepSpeed initialises it on the host first;
-    # the GPU probe about a minute, the CPU one cached, else measured once: about two).
+    # Timeouts, seconds (a 1B model: ~20 s to import and build; DeepSpeed initialises it on the host
+    # first; the GPU probe about a minute, the CPU one cached, else measured once: about two). The
+    # megatron step's follows its predicted save and step times (megatron_budget).
     steps = {
         "environment": (40, lambda t: check.worker("environment", t)),
         "probe": (300 if args.cpu else 120, lambda t: probe(check, t)),
-        "megatron": (170, lambda t: megatron_resume(check, size, t)),
+        "megatron": (None, lambda t: megatron_resume(check, size, t)),  # megatron_budget, after the probe
         **{f"deepspeed_zero{zero}": (90, lambda t, zero=zero: deepspeed_run(check, size, zero, t)) for zero in (1, 3)},
         "bench_overhead": (80, lambda t: bench_overhead(check, t)),
         "fused_adam_build": (60, lambda t: check.worker("fused_adam_build", t)),
     }
     for name in STEPS:
-        if name in only:
-            check.step(name, *steps[name])
+        if name not in only:
+            continue
+        timeout, run = steps[name]
+        if timeout is None:
+            budget = megatron_budget(check, size)
+            check.results["megatron_budget"] = budget
+            timeout = budget["budget_s"]
+            print(
+                f"gpu_check: megatron budget {timeout:.0f} s: a {budget['checkpoint_gb']:.1f} GB checkpoint at "
+                f"{budget['write_gbs']:.2f} GB/s ({budget['predicted_save_s']:.0f} s per save, cluster="
+                f"{budget['cluster']}), steps of {budget['predicted_step_time_s']:.2f} s, twice over",
+                flush=True,
+            )
+        check.step(name, timeout, run)
     for line in summary(check.results["steps"]):
         print(f"gpu_check: {line}")
     failed = [name for name, step in check.results["steps"].items() if step["status"] != "ok"]

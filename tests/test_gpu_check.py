@@ -55,6 +55,11 @@ def test_the_megatron_run_resumes_at_its_checkpoint_to_the_same_curve(checked):
     resumed = [json.loads(line) for line in (out / "megatron_resumed" / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in resumed] == [3, 4]  # from step 2's checkpoint: the run's step 4 one was removed
     assert "step_00000002 at step 2" in (out / "gpu_check.log").read_text()
+    # the save's figures, and the limit the planner set from the probed filesystem's write speed
+    assert megatron["save_gb"] > 0 and megatron["save_gbs"] > 0 and megatron["load_s"] > 0
+    assert 0 <= megatron["save_peak_extra_gb"] < 1
+    budget = json.loads((out / "gpu_check.json").read_text())["megatron_budget"]
+    assert budget["cluster"] == "probed" and budget["predicted_save_s"] > 0 and budget["budget_s"] >= 120
 
 
 @pytest.mark.parametrize("name", ["megatron", "deepspeed_zero1", "deepspeed_zero3"])

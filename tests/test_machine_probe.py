@@ -37,6 +37,7 @@ FAKE = {
     "collective_latency_s": 1e-3,
     "p2p_bandwidth_gbs": 2.0,
     "p2p_latency_s": 3e-4,
+    "checkpoint_write_gbs_per_node": 0.3,
 }
 NOISE = (0.05, -0.04, 0.02, -0.05, 0.03, -0.01, 0.04, -0.03)
 

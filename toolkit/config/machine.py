@@ -33,7 +33,7 @@ from pathlib import Path
 
 from toolkit.config.cache import cache_root
 
-PROBE_VERSION = 6  # bumped when what the probe measures or fits changes: caches probe again
+PROBE_VERSION = 7  # bumped when what the probe measures or fits changes: caches probe again
 CACHE_ENV = "PARAKIT_CACHE_DIR"
 PROBE_ENV = "PARAKIT_PROBE"  # 0: the guesses in the cluster file; the probe sets it for itself
 _loaded: dict | None = None
@@ -121,7 +121,8 @@ def _locked(path: Path):
 def run_probe(force: bool = False, device: str = "cpu", write_dir: str | Path = ".") -> dict:
     """This machine's probe: the cached one, or a new one (then cached). Progress on stderr.
     device="cuda": its GPUs, always measured anew (nothing composes from that cache: the cluster
-    file `parakit probe` writes holds the figures), the checkpoint write bandwidth in `write_dir`."""
+    file `parakit probe` writes holds the figures). Either measures the checkpoint write bandwidth
+    in `write_dir`."""
     print_ = fingerprint(device)
     target = cache_path(print_)
     with _locked(target):
@@ -135,9 +136,9 @@ def run_probe(force: bool = False, device: str = "cpu", write_dir: str | Path = 
                 f"re-measures, {PROBE_ENV}=0 uses the guesses): about a minute"
             )
         print(message, file=sys.stderr, flush=True)
-        command = [sys.executable, "-m", "toolkit.train.machine_probe"]
+        command = [sys.executable, "-m", "toolkit.train.machine_probe", "--write-dir", str(write_dir)]
         if device == "cuda":
-            command += ["--device", "cuda", "--write-dir", str(write_dir)]
+            command += ["--device", "cuda"]
         with tempfile.TemporaryDirectory() as tmp:
             out = Path(tmp) / "probe.json"
             env = {**os.environ, PROBE_ENV: "0"}

@@ -211,9 +211,8 @@ def _data_flags(cfg: Config, layout: Layout) -> list[list[str]]:
         flags += [["--profile-step-start", str(start)], ["--profile-step-end", str(end)]]
     if cfg.train.fault.save_on_stop:  # SIGTERM: save after the iteration, then exit (training.py)
         flags.append(["--exit-signal-handler"])
-    # parakit's save and load: fully parallel (each rank its own shards, the save's default in
-    # Megatron-LM), the distributed optimizer dp_reshardable unless asked to reshard at any layout
-    flags.append(["--ckpt-fully-parallel-load"])
+    # parakit's save: fully parallel (Megatron-LM's default), the distributed optimizer
+    # dp_reshardable (its default too) unless asked to be loadable at any layout
     if cfg.checkpoint.reshardable:
         flags.append(["--dist-ckpt-optim-fully-reshardable"])
     if cfg.checkpoint.async_save:

@@ -133,6 +133,7 @@ def cluster_constants(raw: dict) -> dict[str, float]:
         "collective_latency_s": latency,
         "p2p_bandwidth_gbs": p2p_bandwidth / 1e9,
         "p2p_latency_s": p2p_latency,
+        "checkpoint_write_gbs_per_node": raw["write"]["bytes"] / raw["write"]["seconds"] / 1e9,
     }
 
 

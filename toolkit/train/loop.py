@@ -9,6 +9,7 @@ or the backend's own overflow check dropped the update) the optimizer update.
 from __future__ import annotations
 
 import math
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Protocol
@@ -141,7 +142,9 @@ def train(
     fault = cfg.train.fault
     if not cfg.checkpoint.resume:  # from step 0: never over an earlier run's checkpoints
         refuse_to_start_over(root, None)
+    loading = time.perf_counter()
     resume = steps.load(root) if cfg.checkpoint.resume else Resume()
+    resume.load_seconds = time.perf_counter() - loading if resume.checkpoint else None
     steps.begin_at(resume.step)
     metrics = Metrics(cfg, layout, run_dir, enabled=_rank() == 0, resume=resume, kernels=steps.kernels())
     watchdog = Watchdog(fault.watchdog_timeout_s)

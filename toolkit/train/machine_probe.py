@@ -342,7 +342,11 @@ def stack_costs(
     return stack, seconds_of, skipped
 
 
-def probe(ranks: int) -> dict:
+# The CPU probe's checkpoint write test: chunks of 64 MiB, each fsync'ed, for up to 1 GiB or 3 s.
+CPU_WRITE = (2**30, 3.0, 2**26)
+
+
+def probe(ranks: int, write_dir=".") -> dict:
     """Measure, then fit: {"constants": ClusterConfig fields, "stack": backend -> StackCosts fields,
     "raw": the figures they came from, "seconds": how long it took}."""
     from toolkit.plan.machine_fit import cluster_constants
@@ -351,6 +355,8 @@ def probe(ranks: int) -> dict:
     cores = len(os.sched_getaffinity(0))
     _say(f"matrix multiplies, memory streams and gloo collectives on {ranks} ranks ...")
     raw = measure(ranks, cores)
+    _say(f"checkpoint writes into {os.path.abspath(write_dir)} ...")
+    raw["write"] = write_bandwidth(write_dir, *CPU_WRITE)
     constants = cluster_constants(raw)
     stack, raw["stack"], _ = stack_costs(constants, tp_ranks=cores >= 2)
     return {"constants": constants, "stack": stack, "raw": raw, "seconds": time.perf_counter() - started}
@@ -609,10 +615,10 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m toolkit.train.machine_probe")
     parser.add_argument("--ranks", type=int, default=4, help="processes for the collectives (default 4)")
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu", help="cuda: this machine's GPUs")
-    parser.add_argument("--write-dir", default=".", help="cuda: whose filesystem's write bandwidth is measured")
+    parser.add_argument("--write-dir", default=".", help="whose filesystem's checkpoint write bandwidth is measured")
     parser.add_argument("--output", required=True)
     opts = parser.parse_args(argv)
-    result = probe_gpu(opts.write_dir) if opts.device == "cuda" else probe(opts.ranks)
+    result = probe_gpu(opts.write_dir) if opts.device == "cuda" else probe(opts.ranks, opts.write_dir)
     with open(opts.output, "w") as f:
         json.dump(result, f)
     _say(f"measured in {result['seconds']:.0f} s")

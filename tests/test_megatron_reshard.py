@@ -1,0 +1,65 @@
+"""When `parakit train` converts a megatron checkpoint before its ranks start
+(toolkit.train.megatron_reshard), and when it refuses: decided from the checkpoint's recorded
+layout and optimizer format alone. The conversion itself runs in
+tests/test_faults_megatron.py::test_resume_into_another_layout."""
+
+import json
+
+import pytest
+
+from toolkit.plan.layout import resolve
+from toolkit.train import checkpoint as ckpt
+from toolkit.train.megatron_reshard import _conversion_config, _needs_conversion, convert_for_layout
+
+SAVED = {"tp": 1, "pp": 2, "vpp": 1, "cp": 1, "ep": 1, "dp": 1, "world": 2}
+
+
+def saved_checkpoint(root, optimizer_format="dp_reshardable", layout=SAVED):
+    """A published step-2 checkpoint holding only its trainer state (enough for the decision)."""
+    staging = ckpt.prepare(root, 2)
+    state = {"step": 2, "consumed_samples": 16, "scheduler": {}, "layout": layout}
+    if optimizer_format:
+        state["optimizer_format"] = optimizer_format
+    (staging / "trainer_state.json").write_text(json.dumps(state))
+    return ckpt.publish(root, 2, keep_last=3)
+
+
+MEGATRON = ["model=tiny", "train.global_batch=8", "train.micro_batch=1"]
+
+
+@pytest.mark.parametrize(
+    "overrides, optimizer_format, converts",
+    [
+        (["cluster.gpus_per_node=4", "parallel.tp=2", "parallel.pp=2"], "dp_reshardable", True),
+        (["cluster.gpus_per_node=4", "parallel.pp=2"], "dp_reshardable", False),  # dp 1 -> 2 loads directly
+        (["cluster.gpus_per_node=4", "parallel.tp=2", "parallel.pp=2"], "fully_reshardable", False),
+        (["cluster.gpus_per_node=4", "parallel.tp=2", "parallel.pp=2"], None, False),  # before the format was recorded
+    ],
+)
+def test_conversion_only_where_the_layout_cannot_load_it(tmp_path, compose, overrides, optimizer_format, converts):
+    saved_checkpoint(tmp_path, optimizer_format)
+    cfg = compose(*MEGATRON, *overrides)
+    found = _needs_conversion(cfg, resolve(cfg), tmp_path)
+    assert (found is not None) == converts
+    if converts:
+        assert found[2] == "tp 1 -> 2"
+
+
+def test_the_conversion_runs_the_saved_layout(tmp_path, compose):
+    cfg = compose(*MEGATRON, "cluster.gpus_per_node=4", "parallel.tp=2", "parallel.pp=2")
+    state = ckpt.trainer_state(saved_checkpoint(tmp_path))
+    conversion = _conversion_config(cfg, state, tmp_path)
+    layout = resolve(conversion)
+    assert (layout.tp, layout.pp, layout.dp, layout.world_size) == (1, 2, 1, 2)
+    assert conversion.checkpoint.reshardable and conversion.checkpoint.dir == str(tmp_path)
+    assert layout.global_batch == 8
+
+
+def test_several_nodes_are_refused_with_the_fix(tmp_path, compose):
+    saved_checkpoint(tmp_path)
+    cfg = compose(
+        *MEGATRON, "cluster.nodes=2", "cluster.gpus_per_node=2", "parallel.tp=2", f"checkpoint.dir={tmp_path}"
+    )
+    with pytest.raises(ckpt.ResumeError, match="reshardable=true"):
+        convert_for_layout(cfg, resolve(cfg), tmp_path / "run")
+    assert not (tmp_path / "run").exists()  # nothing started
