@@ -3,6 +3,7 @@ backend): the same run twice in one invocation, saving every few steps; prints t
 save blocked the training loop, the whole run's wall time, and the ratios (async / sync).
 
     python scripts/bench_async_save.py                 # CPU: a 8-layer, 512-wide model on 2 ranks (pp=2)
+    python scripts/bench_async_save.py --preset cpu-1b # CPU: llama3_1b cut to 2 layers, one rank (3 GB saves)
     python scripts/bench_async_save.py --gpu           # llama3_1b, bf16, on one H200
     python scripts/bench_async_save.py -- parallel.tp=2 # further Hydra overrides after --
 
@@ -33,6 +34,20 @@ CPU = [
     "zero=1",
     "train.steps=12",
     "train.global_batch=8",
+    "train.micro_batch=1",
+    "checkpoint.interval_steps=3",
+]
+CPU_1B = [  # the 2-layer llama3_1b of the checkpoint measurements, fp32 on one CPU rank
+    "model=llama3_1b",
+    "model.num_layers=2",
+    "model.vocab_size=32000",
+    "model.seq_length=256",
+    "precision=fp32",
+    "cluster=cpu",
+    "cluster.gpus_per_node=1",
+    "zero=1",
+    "train.steps=12",
+    "train.global_batch=1",
     "train.micro_batch=1",
     "checkpoint.interval_steps=3",
 ]
@@ -75,10 +90,12 @@ def train(run_dir: Path, overrides: list[str]) -> tuple[list[float], float]:
 
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--gpu", action="store_true", help="the H200 preset instead of the CPU one")
+    parser.add_argument("--preset", choices=("cpu", "cpu-1b", "gpu"), default="cpu")
+    parser.add_argument("--gpu", action="store_true", help="the H200 preset (--preset gpu)")
     parser.add_argument("overrides", nargs="*", help="further Hydra overrides")
     args = parser.parse_args()
-    overrides = [*(GPU if args.gpu else CPU), *args.overrides]
+    preset = {"cpu": CPU, "cpu-1b": CPU_1B, "gpu": GPU}["gpu" if args.gpu else args.preset]
+    overrides = [*preset, *args.overrides]
     root = Path(tempfile.mkdtemp(prefix="parakit-async-save-"))
     sync_saves, sync_seconds = train(root / "sync", overrides)
     async_saves, async_seconds = train(root / "async", [*overrides, "checkpoint.async_save=true"])

@@ -13,8 +13,9 @@ dd conv=fdatasync measures the disk) and read back, in the same invocation. Prin
 
     python scripts/bench_save.py [--ranks 1,2,4] [--backends megatron,deepspeed] [-- OVERRIDES]
 
-Reads of files just written come from the page cache, for the raw read and the load alike. The
-disk's speed varies from one minute to the next on shared machines: compare within a row.
+Before the raw read and before the resuming run the page cache is dropped (as root on Linux;
+--warm, or without root, both read files just written from memory instead). The disk's speed
+varies from one minute to the next on shared machines: compare within a row.
 """
 
 from __future__ import annotations
@@ -49,29 +50,28 @@ RUN = ["cluster=cpu", "precision=fp32", "zero=1", "train.micro_batch=1", "checkp
 RANK_OF_FILE = re.compile(r"__(\d+)_\d+\.distcp$|zero_pp_rank_(\d+)_|/rank_(\d+)\.pt$")
 
 
-def _raw_rank(path: str, nbytes: int, start, out) -> None:
-    data = np.random.default_rng(len(path)).integers(0, 255, nbytes, dtype=np.uint8)
+def _raw_rank(path: str, nbytes: int, write: bool, start, out) -> None:
+    data = np.random.default_rng(len(path)).integers(0, 255, nbytes, dtype=np.uint8) if write else None
     start.wait()
     began = time.perf_counter()
-    with open(path, "wb") as f:
-        f.write(memoryview(data))
-        f.flush()
-        os.fsync(f.fileno())
-    wrote = time.perf_counter()
-    start.wait()
-    again = time.perf_counter()
-    with open(path, "rb") as f:
-        while f.read(64 << 20):
-            pass
-    out.put((began, wrote, again, time.perf_counter()))
+    if write:
+        with open(path, "wb") as f:
+            f.write(memoryview(data))
+            f.flush()
+            os.fsync(f.fileno())
+    else:
+        with open(path, "rb") as f:
+            while f.read(64 << 20):
+                pass
+    out.put((began, time.perf_counter()))
 
 
-def raw_seconds(folder: Path, ranks: int, total: int) -> tuple[float, float]:
-    """(write, read) wall seconds of `ranks` processes each writing then reading total/ranks bytes."""
+def _ranks_at_once(folder: Path, ranks: int, total: int, write: bool) -> float:
+    """Wall seconds of `ranks` processes each writing (or reading) its total/ranks bytes at once."""
     context = mp.get_context("spawn")
     start, out = context.Barrier(ranks), context.Queue()
     procs = [
-        context.Process(target=_raw_rank, args=(str(folder / f"raw_{r}"), total // ranks, start, out))
+        context.Process(target=_raw_rank, args=(str(folder / f"raw_{r}"), total // ranks, write, start, out))
         for r in range(ranks)
     ]
     for p in procs:
@@ -79,10 +79,27 @@ def raw_seconds(folder: Path, ranks: int, total: int) -> tuple[float, float]:
     times = [out.get() for _ in procs]
     for p in procs:
         p.join()
+    return max(t[1] for t in times) - min(t[0] for t in times)
+
+
+def drop_page_cache() -> bool:
+    """Empty the kernel's page cache (root on Linux), so that the next reads come from the disk."""
+    try:
+        os.sync()
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+        return True
+    except OSError:
+        return False
+
+
+def raw_seconds(folder: Path, ranks: int, total: int, cold: bool) -> tuple[float, float]:
+    """(write, read) wall seconds of the ranks writing, then reading back, total bytes."""
+    write = _ranks_at_once(folder, ranks, total, write=True)
+    if cold:
+        drop_page_cache()
+    read = _ranks_at_once(folder, ranks, total, write=False)
     for r in range(ranks):
         (folder / f"raw_{r}").unlink()
-    write = max(t[1] for t in times) - min(t[0] for t in times)
-    read = max(t[3] for t in times) - min(t[2] for t in times)
     return write, read
 
 
@@ -103,7 +120,7 @@ def per_rank_bytes(manifest: dict) -> dict[int, int]:
     return written
 
 
-def measure(folder: Path, backend: str, ranks: int, extra: list[str]) -> dict:
+def measure(folder: Path, backend: str, ranks: int, extra: list[str], cold: bool) -> dict:
     checkpoints = folder / f"{backend}_{ranks}_checkpoints"
     overrides = [
         *MODEL,
@@ -119,9 +136,11 @@ def measure(folder: Path, backend: str, ranks: int, extra: list[str]) -> dict:
     train(folder, f"{backend}_{ranks}_save", [*overrides, "train.steps=1"])
     manifest = json.loads((checkpoints / "step_00000001" / "manifest.json").read_text())
     total = sum(e["bytes"] for e in manifest["files"].values())
-    raw_write, raw_read = raw_seconds(folder, ranks, total)
+    raw_write, raw_read = raw_seconds(folder, ranks, total, cold)
     saved = train(folder, f"{backend}_{ranks}_again", [*overrides, "train.steps=2", "checkpoint.interval_steps=2"])
     manifest = json.loads((checkpoints / "step_00000002" / "manifest.json").read_text())
+    if cold:
+        drop_page_cache()
     resumed = train(folder, f"{backend}_{ranks}_resume", [*overrides, "train.steps=2"])
     written = per_rank_bytes(manifest)
     share = total / ranks
@@ -145,8 +164,11 @@ def main() -> None:
     parser.add_argument("--ranks", default="1,2,4")
     parser.add_argument("--backends", default="megatron,deepspeed")
     parser.add_argument("overrides", nargs="*", help="further Hydra overrides (after --)")
+    parser.add_argument("--warm", action="store_true", help="reads from the page cache (no drop)")
     args = parser.parse_args()
-    print(f"{os.cpu_count()} cores; checkpoint.verify as configured (sha256 unless overridden)")
+    cold = not args.warm and drop_page_cache()
+    reads = "from the disk (page cache dropped)" if cold else "from the page cache (not dropped: --warm or not root)"
+    print(f"{os.cpu_count()} cores; checkpoint.verify as configured (sha256 unless overridden); reads {reads}")
     print(
         f"{'backend':>9} {'ranks':>5} {'GB':>5} {'max rank/share':>14} {'save s':>7} {'raw write s':>11} "
         f"{'raw/save':>8} {'load s':>7} {'raw read s':>10} {'raw/load':>8} {'held/share':>10}"
@@ -154,7 +176,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=Path.cwd()) as root:  # on disk, as checkpoints are
         for ranks in map(int, args.ranks.split(",")):
             for backend in args.backends.split(","):
-                r = measure(Path(root), backend, ranks, args.overrides)
+                r = measure(Path(root), backend, ranks, args.overrides, cold)
                 assert r["resumed"], f"{backend} at {ranks} ranks did not resume from its checkpoints"
                 print(
                     f"{r['backend']:>9} {r['ranks']:>5} {r['gb']:>5.2f} {r['most_written']:>14.2f} "

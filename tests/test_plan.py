@@ -250,6 +250,29 @@ def test_checkpoint_plan_uses_cluster_mtbf_and_rework_bound(compose):
     assert plan.recommended_steps == round(plan.recommended_minutes * 60 / 10)
 
 
+@pytest.mark.parametrize(
+    "overrides, asynchronous",
+    [
+        (["backend=megatron", "cluster=1xh200"], True),  # the default on GPUs
+        (["backend=megatron", "cluster=cpu"], False),  # not on CPU: the writer competes for the cores
+        (["backend=deepspeed", "cluster=1xh200"], False),  # DeepSpeed saves synchronously
+        (["backend=megatron", "cluster=1xh200", "checkpoint.async_save=false"], False),
+        (["backend=megatron", "cluster=cpu", "checkpoint.async_save=true"], True),
+    ],
+)
+def test_asynchronous_saves_where_they_are_safe_unless_told(compose, overrides, asynchronous):
+    from toolkit.emit.megatron_args import megatron_args
+    from toolkit.plan.checkpoint import saves_asynchronously
+
+    cfg = compose("model=tiny", *overrides)
+    assert saves_asynchronously(cfg) is asynchronous
+    if cfg.backend.name == "megatron":  # the command line Megatron-LM gets says the same
+        from toolkit.emit.megatron import megatron_sections
+
+        layout = resolve(cfg)
+        assert ("--async-save" in megatron_args(cfg, layout, megatron_sections(cfg, layout))) is asynchronous
+
+
 def _search(compose, *overrides):
     cfg = compose("train=pretrain", "precision=bf16", *overrides)
     return cfg, search(cfg)

@@ -765,7 +765,9 @@ class CheckpointConfig:
     keep_last: int = at_least_one(3)
     # megatron backend: write the shards from a forked process while training goes on
     # (megatron-core's asynchronous dist_checkpointing save); published when the writes are done.
-    async_save: bool = False
+    # null: on GPUs (the snapshot is a copy to host memory, then training goes on), not on CPU
+    # (the writer competes with the ranks for the same cores) nor on the deepspeed backend.
+    async_save: Optional[bool] = None
     # megatron backend: save the distributed optimizer in model space, gathered over each data-parallel
     # group (slower, more memory), so that any tp/pp/vpp/cp/ep resumes it directly; false: each rank
     # writes its own shards, resumable at any dp (parakit train converts it once for another layout).

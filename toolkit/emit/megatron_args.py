@@ -22,6 +22,7 @@ from typing import Callable
 
 from toolkit.config.schema import Config
 from toolkit.formats.manifest import parse_blend, read_manifest, tokenizer_dir
+from toolkit.plan.checkpoint import saves_asynchronously
 from toolkit.plan.layout import Layout
 
 
@@ -215,7 +216,7 @@ def _data_flags(cfg: Config, layout: Layout) -> list[list[str]]:
     # dp_reshardable (its default too) unless asked to be loadable at any layout
     if cfg.checkpoint.reshardable:
         flags.append(["--dist-ckpt-optim-fully-reshardable"])
-    if cfg.checkpoint.async_save:
+    if saves_asynchronously(cfg):
         flags.append(["--async-save"])
     return flags
 

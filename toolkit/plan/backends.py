@@ -260,7 +260,8 @@ MEGATRON = Backend(
     grad_accumulation_bytes=2 + 4 + 4,
     eager_norm_activations=False,
     grad_reduce=GradReduce.OVERLAPPED_BUCKETS,
-    checkpoint_format="megatron-core dist_checkpointing, fully reshardable (loads at any dp/tp/pp)",
+    # every rank writes its own shards; another tp/pp/vpp/cp/ep converts once (toolkit.train.megatron_reshard)
+    checkpoint_format="megatron-core dist_checkpointing, fully parallel, dp_reshardable (loads at any layout)",
     async_save=True,
     hf_weights=("safetensors",),  # read into each rank's chunks at any layout (toolkit.families.hf_weights)
     megatron_lm_entry=True,

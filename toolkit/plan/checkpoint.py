@@ -16,6 +16,7 @@ import math
 from dataclasses import dataclass
 
 from toolkit.config.schema import Config
+from toolkit.plan.backends import backend_of
 from toolkit.plan.layout import Layout, world_size
 from toolkit.plan.params import model_params
 
@@ -30,6 +31,13 @@ def checkpoint_bytes(cfg: Config, layout: Layout) -> float:
 def estimated_save_seconds(cfg: Config, layout: Layout) -> float:
     """Every node writes its shards in parallel (distributed checkpointing)."""
     return checkpoint_bytes(cfg, layout) / (cfg.cluster.checkpoint_write_gbs_per_node * 1e9 * cfg.cluster.nodes)
+
+
+def saves_asynchronously(cfg: Config) -> bool:
+    """checkpoint.async_save, or where it is null: on the megatron backend on GPUs."""
+    if cfg.checkpoint.async_save is not None:
+        return cfg.checkpoint.async_save
+    return backend_of(cfg).async_save and cfg.cluster.device == "cuda"
 
 
 @dataclass(frozen=True)

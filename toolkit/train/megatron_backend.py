@@ -14,6 +14,7 @@ import torch
 
 from toolkit.config.schema import Config
 from toolkit.emit.megatron import megatron_degrees, megatron_sections
+from toolkit.plan.checkpoint import saves_asynchronously
 from toolkit.plan.layout import Layout
 from toolkit.train import checkpoint as ckpt
 from toolkit.train import mcore_cpu, torch_adam
@@ -318,7 +319,7 @@ class MegatronSteps:
             config.grad_scale_func = self.optimizer.scale_loss
         self.scheduler = OptimizerParamScheduler(self.optimizer, **sections["scheduler"])
         self.config, self.ddp_config = config, ddp_config
-        self.async_queue = AsyncCallsQueue() if cfg.checkpoint.async_save else None
+        self.async_queue = AsyncCallsQueue() if saves_asynchronously(cfg) else None
         self.forward_backward_func = get_forward_backward_func()
         self.device = (
             torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu")
