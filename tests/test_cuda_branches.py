@@ -60,14 +60,14 @@ def test_every_rank_runs_with_one_device_queue_from_launch_sh_and_from_parakit_t
     when one rank trains here; megatron-core's warning about it is silenced on CPU only."""
     from toolkit.emit.launch import launch_script
     from toolkit.plan.layout import resolve
-    from toolkit.train import launch, trainer
+    from toolkit.train import launch, torchrun, trainer
 
     gpu = compose("cluster=1xh200", "model=tiny")
     expected = {"CUDA_DEVICE_MAX_CONNECTIONS": "1", "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1"}
     for name in expected:  # unset here, and restored after the test (train_here sets them in os.environ)
         monkeypatch.setenv(name, "")
         monkeypatch.delenv(name)
-    assert expected.items() <= launch.torchrun_env(gpu).items()
+    assert expected.items() <= torchrun.torchrun_env(gpu).items()
     script = launch_script(gpu, resolve(gpu))
     assert all(f"export {k}={v}" in script for k, v in expected.items())
     seen = {}

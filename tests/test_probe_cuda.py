@@ -347,7 +347,9 @@ def test_parakit_probe_on_a_gpu_measures_anew_and_writes_the_cluster_file(gpu, t
     opts = SimpleNamespace(force=False, output=str(tmp_path / "out"), name="mine")
     for _ in range(2):  # no --force: a GPU is measured anyway
         assert probe_report.probe_command(opts) == 0
-    assert len(commands) == 2 and commands[0][-6:-2] == ["--device", "cuda", "--write-dir", str(tmp_path / "out")]
+    assert len(commands) == 2
+    given = dict(zip(commands[0][3::2], commands[0][4::2]))  # after `python -m toolkit.train.machine_probe`
+    assert given["--device"] == "cuda" and given["--write-dir"] == str(tmp_path / "out")
     kept = machine.cache_path(machine.fingerprint("cuda"))
     assert kept.is_file() and kept != machine.cache_path()  # beside, never instead of, the CPU probe
     assert json.loads(kept.read_text())["fingerprint"]["gpu"] == "NVIDIA H200"

@@ -205,8 +205,8 @@ def _status(returncode: int | None, log_tail: str) -> str:
 def _train(cfg: Config, layout: Layout, run_dir: Path, timeout_s: float) -> tuple[int | None, str]:
     """Train the point in its own process group (torchrun for every world size: a crash or a
     hang stays there); (exit code or None on timeout, the log's last lines)."""
-    from toolkit.train.launch import torchrun_command, torchrun_env
     from toolkit.train.stop import run_group
+    from toolkit.train.torchrun import torchrun_command, torchrun_env
 
     env = torchrun_env(cfg)
     command = torchrun_command(run_dir, layout.world_size, cfg.train.fault.max_restarts)

@@ -1,8 +1,9 @@
-"""Worker entry: `python -m toolkit.train --config-dir RUN_DIR [--config-name config]`.
+"""Worker entry: `python -m toolkit.train --config-dir RUN_DIR [--config-name config] [--convert-checkpoint]`.
 
 torchrun starts one of these per rank (launch.sh, or `parakit train` for several local ranks).
 It reads the resolved configuration that `parakit generate`/`train` wrote, so the layout that
-trains is the layout the validator accepted and the emitters wrote.
+trains is the layout the validator accepted and the emitters wrote. With --convert-checkpoint the
+ranks convert the newest checkpoint instead of training (toolkit.train.megatron_reshard).
 """
 
 from __future__ import annotations
@@ -22,6 +23,11 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m toolkit.train", description=__doc__)
     parser.add_argument("--config-dir", type=Path, required=True, help="run directory holding config.yaml")
     parser.add_argument("--config-name", default="config")
+    parser.add_argument(
+        "--convert-checkpoint",
+        action="store_true",
+        help="load the newest megatron checkpoint at this layout and save it again fully reshardable",
+    )
     args = parser.parse_args(argv)
     quiet_upstream_notices()
     from toolkit.train.distributed import detach_resource_tracker, end_helper_processes, end_helpers_on_sigterm
@@ -29,7 +35,13 @@ def main(argv: list[str] | None = None) -> int:
     detach_resource_tracker()
     end_helpers_on_sigterm()
     try:
-        return run_to_exit_code(load_run_config(args.config_dir, args.config_name), args.config_dir)
+        cfg = load_run_config(args.config_dir, args.config_name)
+        if args.convert_checkpoint:
+            from toolkit.train.megatron_reshard import convert
+
+            convert(cfg)
+            return 0
+        return run_to_exit_code(cfg, args.config_dir)
     except ValidationError as error:
         rank_errors.known(str(error))
         return 2

@@ -11,45 +11,15 @@ from __future__ import annotations
 import os
 import shlex
 import signal
-import sys
 from pathlib import Path
 
 from toolkit.config.schema import Config
-from toolkit.emit.launch import REQUEST, TORCHRUN_ENV, rank_env
+from toolkit.emit.launch import REQUEST, rank_env
 from toolkit.formats.atomic import write_atomic
 from toolkit.plan.backends import backend_of
 from toolkit.plan.layout import Layout
 from toolkit.train.stop import Stopped, run_group, stoppable
-
-
-def torchrun_command(run_dir: Path, nproc: int, max_restarts: int = 0, module: str = "toolkit.train") -> list[str]:
-    """torchrun (toolkit.train.torchrun: failed ranks reported in one message) on this node, each
-    rank running `module` on the run directory's config.yaml."""
-    return [
-        sys.executable,
-        "-m",
-        "toolkit.train.torchrun",
-        "--standalone",
-        "--nnodes",
-        "1",
-        "--nproc-per-node",
-        str(nproc),
-        "--max-restarts",
-        str(max_restarts),
-        "-m",
-        module,
-        "--config-dir",
-        str(run_dir),
-        "--config-name",
-        "config",
-    ]
-
-
-def torchrun_env(cfg: Config) -> dict[str, str]:
-    """The environment torchrun runs in, as launch.sh sets it."""
-    env = {**os.environ, **TORCHRUN_ENV, **rank_env(cfg.cluster.device)}
-    env.setdefault("OMP_NUM_THREADS", "1")
-    return env
+from toolkit.train.torchrun import torchrun_command, torchrun_env
 
 
 def train_here(cfg: Config, layout: Layout, run_dir: Path, detach: bool = False) -> int:

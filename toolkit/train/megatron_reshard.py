@@ -9,14 +9,12 @@ checkpoint is published as the same step (publishing keeps the original beside i
 .step_N.replaced); the conversion costs one load and one save at the saved layout, with the
 optimizer state gathered over each data-parallel group, on this one node.
 
-    python -m toolkit.train.megatron_reshard --config-dir RUN_DIR/reshard   # each rank of the conversion
+    python -m toolkit.train --config-dir RUN_DIR/reshard --convert-checkpoint   # each rank of the conversion
 """
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
-import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -63,9 +61,9 @@ def convert_for_layout(cfg: Config, layout: Layout, run_dir: Path) -> None:
     """(`parakit train`, before the ranks start) Convert the newest checkpoint under the run's
     checkpoint.dir when this layout cannot load it; nothing when it can."""
     from toolkit.emit.files import write_run_files
-    from toolkit.train.launch import torchrun_command, torchrun_env
     from toolkit.train.loop import checkpoint_root
     from toolkit.train.stop import run_group
+    from toolkit.train.torchrun import torchrun_command, torchrun_env
 
     root = checkpoint_root(cfg, run_dir)
     found = _needs_conversion(cfg, layout, root) if cfg.checkpoint.resume else None
@@ -88,7 +86,7 @@ def convert_for_layout(cfg: Config, layout: Layout, run_dir: Path) -> None:
     conversion = _conversion_config(cfg, state, root)
     folder = run_dir / FOLDER
     write_run_files(conversion, resolve(conversion), folder)
-    command = torchrun_command(folder, world, module="toolkit.train.megatron_reshard")
+    command = torchrun_command(folder, world, worker_args=("--convert-checkpoint",))
     code = run_group(command, env=torchrun_env(conversion))
     if code != 0:
         raise ckpt.ResumeError(f"converting {directory} for this layout failed (exit {code}): see the lines above")
@@ -124,20 +122,3 @@ def convert(cfg: Config) -> None:
         model_parallel=model_parallel_layout(layout, cfg),
     )
     steps.close()
-
-
-def main(argv: list[str] | None = None) -> int:
-    from toolkit.config.store import load_run_config
-    from toolkit.train.trainer import quiet_upstream_notices
-
-    parser = argparse.ArgumentParser(prog="python -m toolkit.train.megatron_reshard", description=__doc__)
-    parser.add_argument("--config-dir", type=Path, required=True, help="the conversion's folder (config.yaml)")
-    parser.add_argument("--config-name", default="config")
-    args = parser.parse_args(argv)
-    quiet_upstream_notices()
-    convert(load_run_config(args.config_dir, args.config_name))
-    return 0
-
-
-if __name__ == "__main__":
-    sys.exit(main())
