@@ -47,7 +47,7 @@ def _rank(rank: int, world: int, port: int, root: str, mib: int, level: str, out
     held = ckpt.save_collectively(Path(root), 1, 1, NO_FAULTS, write, {"step": 1}, {}, level)
     dist.barrier()
     started = time.perf_counter()
-    found, _ = ckpt.find_collectively(Path(root), level)
+    found, _, _ = ckpt.load_collectively(Path(root), level, lambda candidate: None)
     verified = time.perf_counter() - started
     assert found is not None
     if rank == 0:

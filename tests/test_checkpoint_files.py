@@ -73,3 +73,78 @@ def test_a_run_never_starts_over_on_its_own(tmp_path):
     _published(tmp_path, "size")  # tmp_path/size/step_00000001
     with pytest.raises(ckpt.ResumeError, match=r"checkpoint.resume=false, and .* \(step_00000001\).*Fix: "):
         ckpt.refuse_to_start_over(tmp_path / "size", None)
+
+
+@pytest.fixture
+def one_rank(monkeypatch):
+    """torch.distributed's collectives as a world of one rank sees them, in this process."""
+    import torch
+
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda: 0)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda: 1)
+    monkeypatch.setattr(torch.distributed, "broadcast_object_list", lambda objects, src: None)
+    monkeypatch.setattr(torch.distributed, "all_gather_object", lambda out, obj: out.__setitem__(0, obj))
+
+
+def _steps(tmp_path, damaged_step: int | None = None):
+    """Published steps 1 and 2 of one run (large enough files to hash for a while); one damaged."""
+    for step in (1, 2):
+        staging = ckpt.prepare(tmp_path, step)
+        for i in range(3):
+            (staging / f"shard_{i}.bin").write_bytes(random.Random(step * 10 + i).randbytes((4 - i) << 20))
+        published = ckpt.publish(tmp_path, step, keep_last=2)
+        if step == damaged_step:
+            corrupt(published)
+    return tmp_path
+
+
+def test_checksums_run_while_the_backend_loads_and_a_failure_passes_over_what_it_loaded(
+    tmp_path, one_rank, monkeypatch
+):
+    """The load reads each file once with the hashing (both under way together); a newest step that
+    fails its checksums after its load is passed over, and the older one loaded in its place."""
+    import threading
+
+    hashing, loading, verified_during_load = threading.Event(), threading.Event(), []
+    verify_listed = ckpt._verify_listed
+
+    def verify_when_the_load_runs(directory, listed, level, names=None):
+        if level != "size":  # the size check comes first, before anything reads the files
+            hashing.set()
+            verified_during_load.append(loading.wait(timeout=10))  # not before a load starts
+        return verify_listed(directory, listed, level, names)
+
+    monkeypatch.setattr(ckpt, "_verify_listed", verify_when_the_load_runs)
+    loads = []
+
+    def load(candidate):
+        loading.set()
+        loads.append((candidate.name, hashing.wait(timeout=10)))  # nor after it ends
+        hashing.clear()  # the next candidate's hashing sets it again
+        return f"model of {candidate.name}"
+
+    found, loaded, unusable = ckpt.load_collectively(_steps(tmp_path, damaged_step=2), "sha256", load)
+    assert loads == [("step_00000002", True), ("step_00000001", True)]
+    assert verified_during_load and all(verified_during_load)
+    assert (found.name, loaded) == ("step_00000001", "model of step_00000001")
+    assert unusable == [{"checkpoint": "step_00000002", "problem": "shard_0.bin fails its sha256 checksum"}]
+
+
+def test_a_load_that_fails_is_explained_by_the_checksums_or_raised(tmp_path, one_rank):
+    """Damaged bytes can break the backend's load itself: passed over when its checksums fail; the
+    load's own error when the checkpoint is sound. A truncated checkpoint is never loaded."""
+
+    def load(candidate):
+        if candidate.name == "step_00000002":
+            raise RuntimeError("unpickling failed")
+        return candidate.name
+
+    root = _steps(tmp_path / "damaged", damaged_step=2)
+    assert ckpt.load_collectively(root, "crc32", load)[1] == "step_00000001"
+    with pytest.raises(RuntimeError, match="unpickling failed"):
+        ckpt.load_collectively(_steps(tmp_path / "sound"), "sha256", load)
+    with open(root / "step_00000002" / "shard_1.bin", "r+b") as f:
+        f.truncate(10)
+    loads = []
+    found, _, unusable = ckpt.load_collectively(root, "sha256", lambda c: loads.append(c.name))
+    assert loads == ["step_00000001"] and "shard_1.bin has 10 bytes" in unusable[0]["problem"]

@@ -273,6 +273,24 @@ def test_asynchronous_saves_where_they_are_safe_unless_told(compose, overrides, 
         assert ("--async-save" in megatron_args(cfg, layout, megatron_sections(cfg, layout))) is asynchronous
 
 
+def test_an_asynchronous_save_costs_its_snapshot_and_its_interval_covers_the_write(compose):
+    """Daly's delta is what training waits for: the copy of each GPU's share over its host link when
+    the save is asynchronous (the whole write when not); the next save cannot start before the
+    write ends."""
+    from toolkit.plan.checkpoint import checkpoint_bytes
+
+    run = ["recipe=llama3_8b_8xh100", "backend=megatron", "checkpoint.save_seconds=null"]
+    cfg = compose(*run)
+    layout = resolve(cfg)
+    held, blocking = checkpoint_plan(cfg, layout), checkpoint_plan(compose(*run, "checkpoint.async_save=false"), layout)
+    per_gpu = checkpoint_bytes(cfg, layout) / layout.world_size
+    assert held.save_seconds == pytest.approx(per_gpu / (cfg.cluster.host_link_gbs * 1e9))
+    assert blocking.save_seconds == blocking.write_seconds == held.write_seconds > 10 * held.save_seconds
+    assert held.daly_minutes < blocking.daly_minutes
+    slow_disk = checkpoint_plan(compose(*run, "cluster.checkpoint_write_gbs_per_node=0.001"), layout)
+    assert slow_disk.recommended_minutes == pytest.approx(slow_disk.write_seconds / 60)
+
+
 def _search(compose, *overrides):
     cfg = compose("train=pretrain", "precision=bf16", *overrides)
     return cfg, search(cfg)

@@ -101,14 +101,14 @@ def resume_gives_up():
     and the run starts from scratch."""
     from toolkit.train import checkpoint
 
-    def newest_or_nothing(root, level="sha256"):
+    def newest_or_nothing(root, level, load):
         newest = checkpoint._candidates(root)[:1]
         problem = checkpoint.verify_collectively(newest[0], level) if newest else "none"
         if problem is None:
-            return newest[0], []
-        return None, [{"checkpoint": newest[0].name if newest else str(root), "problem": problem}]
+            return newest[0], load(newest[0]), []
+        return None, None, [{"checkpoint": newest[0].name if newest else str(root), "problem": problem}]
 
-    checkpoint.find_collectively = newest_or_nothing
+    checkpoint.load_collectively = newest_or_nothing
 
 
 def _when_megatron_builds(patch) -> None:

@@ -717,6 +717,9 @@ class ClusterConfig:
     stack: dict[str, StackCosts] = field(default_factory=dict)
     gpu_mtbf_hours: float = 50_000.0  # mean time between failures of one device
     checkpoint_write_gbs_per_node: float = 2.0  # sustained checkpoint write bandwidth per node
+    # One GPU's copies to host memory (an asynchronous save's snapshot holds training this long):
+    # the host link's sustained rate; null: hbm_bandwidth_gbs (CPU ranks copy within memory).
+    host_link_gbs: Optional[float] = None
     # The network: inter_node_bandwidth_gbs is one NIC's line rate (one GPU's port on a rail-optimised
     # fabric), and a node has nics_per_node of them (null: one per GPU). NCCL runs a ring over nodes
     # with a channel per NIC, so a group with r ranks on each node crosses over r GPUs' share of the

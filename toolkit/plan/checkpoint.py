@@ -8,6 +8,11 @@ With save time delta and mean time between failures M of the whole job (per-GPU 
       else tau = M.
   A failure loses on average half an interval of work: to keep the expected rework under R,
   tau <= 2R.
+An asynchronous save holds training only for its snapshot (each GPU's share copied to host memory),
+so delta is that copy, while the write runs on; the interval is at least the write, since a save
+waits for the previous one to finish (Megatron-LM's async_utils). Checkpoint latency moves the
+optimum little next to its overhead (Vaidya 1997, "Impact of checkpoint latency on overhead ratio
+of a checkpointing scheme").
 """
 
 from __future__ import annotations
@@ -33,6 +38,12 @@ def estimated_save_seconds(cfg: Config, layout: Layout) -> float:
     return checkpoint_bytes(cfg, layout) / (cfg.cluster.checkpoint_write_gbs_per_node * 1e9 * cfg.cluster.nodes)
 
 
+def snapshot_seconds(cfg: Config, layout: Layout) -> float:
+    """An asynchronous save's hold-up: each GPU copies its share to host memory at once."""
+    link = cfg.cluster.host_link_gbs or cfg.cluster.hbm_bandwidth_gbs
+    return checkpoint_bytes(cfg, layout) / world_size(cfg) / (link * 1e9)
+
+
 def saves_asynchronously(cfg: Config) -> bool:
     """checkpoint.async_save, or where it is null: on the megatron backend on GPUs."""
     if cfg.checkpoint.async_save is not None:
@@ -42,8 +53,9 @@ def saves_asynchronously(cfg: Config) -> bool:
 
 @dataclass(frozen=True)
 class CheckpointPlan:
-    save_seconds: float
+    save_seconds: float  # what training is held up by one save
     save_measured: bool
+    write_seconds: float  # the save's writes (the hold-up too unless they run asynchronously)
     job_mtbf_hours: float
     young_minutes: float
     daly_minutes: float
@@ -68,11 +80,16 @@ def daly_interval(delta: float, mtbf: float) -> float:
 
 
 def checkpoint_plan(cfg: Config, layout: Layout, step_seconds: float | None = None) -> CheckpointPlan:
+    """checkpoint.save_seconds, when given, is the measured hold-up (`parakit train` reports it)."""
     measured = cfg.checkpoint.save_seconds is not None
-    delta = cfg.checkpoint.save_seconds if measured else estimated_save_seconds(cfg, layout)
+    write = estimated_save_seconds(cfg, layout)
+    held = snapshot_seconds(cfg, layout) if saves_asynchronously(cfg) else write
+    delta = cfg.checkpoint.save_seconds if measured else held
     mtbf = cfg.cluster.gpu_mtbf_hours * 3600 / world_size(cfg)
     young, daly = young_interval(delta, mtbf), daly_interval(delta, mtbf)
     rework = 2 * cfg.checkpoint.acceptable_rework_minutes * 60
-    recommended = min(daly, rework)
+    recommended = max(min(daly, rework), write if saves_asynchronously(cfg) else 0.0)
     steps = max(1, round(recommended / step_seconds)) if step_seconds else None
-    return CheckpointPlan(delta, measured, mtbf / 3600, young / 60, daly / 60, rework / 60, recommended / 60, steps)
+    return CheckpointPlan(
+        delta, measured, write, mtbf / 3600, young / 60, daly / 60, rework / 60, recommended / 60, steps
+    )

@@ -7,7 +7,7 @@ import json
 import sys
 
 from toolkit.config.schema import Config
-from toolkit.plan.checkpoint import checkpoint_plan
+from toolkit.plan.checkpoint import checkpoint_plan, saves_asynchronously
 from toolkit.plan.layout import resolve, world_size
 from toolkit.plan.memory import GIB, peak_memory
 from toolkit.plan.parallel_dims import DIMS, ParallelDims
@@ -169,8 +169,10 @@ def _print_text(cfg, result, path, configured, ckpt, top) -> None:
         print(f"\nuse #1: parakit generate {' '.join(rows[0].overrides())} [your model/cluster/batch overrides]")
     if ckpt:
         source = "measured" if ckpt.save_measured else "estimated"
+        if saves_asynchronously(cfg):
+            source += f"; asynchronous: training held up that long, the writes take {ckpt.write_seconds:.0f} s"
         print(
-            f"\ncheckpointing (layout #1): save {ckpt.save_seconds:.0f} s ({source}); job MTBF "
+            f"\ncheckpointing (layout #1): save {ckpt.save_seconds:.3g} s ({source}); job MTBF "
             f"{ckpt.job_mtbf_hours:.1f} h "
             f"({c.gpu_mtbf_hours:g} h per GPU / {world_size(cfg)}); Young {ckpt.young_minutes:.1f} min, "
             f"Daly {ckpt.daly_minutes:.1f} min, rework bound {ckpt.rework_bound_minutes:.0f} min -> every "

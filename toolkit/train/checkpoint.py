@@ -5,9 +5,10 @@ rank checksums its share of the files (checkpoint.verify: SHA-256, CRC-32 or the
 rank 0 lists every file with its entry in manifest.json, renames the directory to
 `<root>/step_00000042` (atomic on one filesystem) and points `<root>/latest` at it (written to a
 temporary file and renamed). Only a directory whose manifest matches its files (checked by every
-rank over its share) is resumed from; a corrupt or unfinished newest checkpoint is reported and
-the previous good one is used, and when that run saves the damaged one's step again the damaged
-one is kept beside as `.step_00000042.replaced`: a published step directory is never overwritten.
+rank over its share, while the backend loads it) is resumed from; a corrupt or unfinished newest
+checkpoint is reported and the previous good one is used, and when that run saves the damaged
+one's step again the damaged one is kept beside as `.step_00000042.replaced`: a published step
+directory is never overwritten.
 Where no checkpoint can be resumed, or checkpoint.resume=false finds an earlier run's, the run
 refuses to start over (ResumeError) rather than train from step 0 over them. The last `keep_last`
 published checkpoints are kept.
@@ -25,11 +26,13 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
+from typing import Callable, TypeVar
 
 from toolkit.data.sources import sha256_of
 from toolkit.formats.atomic import write_atomic
 
 MANIFEST = "manifest.json"
+T = TypeVar("T")
 LATEST = "latest"
 
 
@@ -394,25 +397,63 @@ def verify_collectively(directory: Path, level: str = "sha256") -> str | None:
     return next((p for p in problems if p), None)
 
 
-def find_collectively(root: Path, level: str = "sha256") -> tuple[Path | None, list[dict]]:
-    """The newest good checkpoint, verified by every rank in parallel (`verify_collectively`):
-    (it or None, the checkpoints passed over). Rank 0 lists the candidates for everyone."""
+def load_collectively(root: Path, level: str, load: Callable[[Path], T]) -> tuple[Path | None, T | None, list[dict]]:
+    """(every rank) The newest good checkpoint under `root`, loaded by `load`: (it or None, what
+    `load` returned, the checkpoints passed over). Each candidate's files are checked for their
+    sizes before anything reads them (missing, truncated); their checksums (`level`) are verified
+    by every rank for its share while `load` reads them, so the disk reads each file once and the
+    hashing overlaps the load. A candidate whose checksums fail after loading is passed over like
+    one that fails before: the next one's load replaces everything it loaded. Rank 0 lists the
+    candidates for everyone."""
     import torch
 
     rank0 = torch.distributed.get_rank() == 0
     listing = [[str(c) for c in _candidates(root)] if rank0 else None]
     torch.distributed.broadcast_object_list(listing, src=0)
     unusable = []
-    found = find_resumable(
-        root,
-        report=lambda message: rank0 and print(message, file=sys.stderr, flush=True),
-        unusable=unusable,
-        candidates=[Path(c) for c in listing[0]],
-        check=lambda candidate: verify_collectively(candidate, level),
-    )
-    if found is None:
-        refuse_to_start_over(root, unusable)
-    return found, unusable
+    for candidate in map(Path, listing[0]):
+        problem, loaded = verify_collectively(candidate, "size"), None
+        if problem is None:
+            problem, loaded = _load_verifying(candidate, level, load)
+        if problem is None:
+            return candidate, loaded, unusable
+        if rank0:
+            print(f"checkpoint {candidate} is not usable: {problem}; trying an older one", file=sys.stderr, flush=True)
+        unusable.append({"checkpoint": candidate.name, "problem": problem})
+    refuse_to_start_over(root, unusable)
+    return None, None, unusable
+
+
+def _load_verifying(candidate: Path, level: str, load: Callable[[Path], T]) -> tuple[str | None, T | None]:
+    """(every rank) `load` the candidate while this rank's share of its files is checksummed in
+    threads (hashlib frees the GIL): (the first problem any rank's checksums found, what `load`
+    returned). Damaged bytes may fail the load itself: its error is raised only when no checksum
+    explains it."""
+    import torch
+
+    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
+    listed, _ = listed_files(candidate)
+    mine = share({n: e["bytes"] for n, e in listed.items()}, rank, world) if level != "size" else []
+    with ThreadPoolExecutor(max(1, min(len(mine), os.cpu_count() or 1, 4))) as pool:
+        checks = [pool.submit(_verify_listed, candidate, listed, level, [name]) for name in mine]
+        loaded, failure = None, None
+        try:
+            loaded = load(candidate)
+        except ResumeError:  # refused from its recorded layout, before reading it: the same on every rank
+            for check in checks:
+                check.cancel()
+            raise
+        except Exception as error:
+            failure = error
+        problem = next((p for p in (check.result() for check in checks) if p), None)
+    answers = [None] * world
+    torch.distributed.all_gather_object(answers, (problem, failure is not None))
+    problem = next((p for p, _ in answers if p), None)
+    if problem is None and failure is not None:
+        raise failure
+    if problem is None and any(failed for _, failed in answers):
+        raise ResumeError(f"another rank failed loading {candidate}: see its error above")
+    return problem, loaded
 
 
 def trainer_state(directory: Path) -> dict:

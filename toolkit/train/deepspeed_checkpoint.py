@@ -67,16 +67,19 @@ def _universal(directory: Path) -> Path:
 
 
 def load(engine, root: Path, layout: Layout, verify: str = "sha256") -> ckpt.Resume:
-    directory, unusable = ckpt.find_collectively(root, verify)
+    now = _layout_record(layout, engine.zero_optimization_stage())
+
+    def load_one(directory: Path) -> tuple[dict, dict]:
+        state = ckpt.trainer_state(directory)
+        saved = state["layout"]
+        if all(saved.get(key, now[key]) == now[key] for key in now):
+            return state, engine.load_checkpoint(str(directory), tag=TAG)[1]
+        return state, _load_universal(engine, directory, saved, now)
+
+    directory, loaded, unusable = ckpt.load_collectively(root, verify, load_one)
     if directory is None:
         return ckpt.Resume(unusable=unusable)
-    state = ckpt.trainer_state(directory)
-    saved = state["layout"]
-    now = _layout_record(layout, engine.zero_optimization_stage())
-    if all(saved.get(key, now[key]) == now[key] for key in now):
-        _, client = engine.load_checkpoint(str(directory), tag=TAG)
-    else:
-        client = _load_universal(engine, directory, saved, now)
+    state, client = loaded
     rng = ckpt.saved_rng_state(directory, state, layout.world_size)
     if rng is not None:
         ckpt.set_host_rng_state(rng)

@@ -229,29 +229,34 @@ def load_checkpoint(
     first for another: toolkit.train.megatron_reshard)."""
     from megatron.core import dist_checkpointing
 
-    directory, unusable = ckpt.find_collectively(root, verify)
+    def load(directory: Path) -> tuple[dict, dict | None]:
+        state = ckpt.trainer_state(directory)
+        optimizer_format = state.get("optimizer_format", RESHARDABLE)
+        moved = layout_change(state, model_parallel or {})
+        if optimizer_format == PARALLEL and moved:
+            raise ckpt.ResumeError(
+                f"checkpoint {directory} holds the distributed optimizer in the dp_reshardable format, which resumes "
+                f"only at the model-parallel layout it was saved with ({moved}). Fix: resume it once at that layout "
+                "with checkpoint.reshardable=true and let it save, or start `parakit train` on one node, which "
+                "converts it"
+            )
+        if torch_adam.runs_torch_adam():
+            torch_adam.seed_states(optimizer)
+        loaded = dist_checkpointing.load(
+            _sharded_state(chunks, optimizer, True, optimizer_format), str(directory / "model_optim")
+        )
+        for i, chunk in enumerate(chunks):
+            chunk.load_state_dict(loaded[f"chunk{i}"], strict=True)
+        with torch.no_grad():  # dp_reshardable copies into the fp32 parameters themselves when they are the master
+            optimizer.load_state_dict(loaded["optimizer"])
+        return state, ckpt.saved_rng_state(directory, state, layout.world_size)
+
+    directory, loaded, unusable = ckpt.load_collectively(root, verify, load)
     if directory is None:
         return ckpt.Resume(unusable=unusable)
-    state = ckpt.trainer_state(directory)
-    optimizer_format = state.get("optimizer_format", RESHARDABLE)
-    moved = layout_change(state, model_parallel or {})
-    if optimizer_format == PARALLEL and moved:
-        raise ckpt.ResumeError(
-            f"checkpoint {directory} holds the distributed optimizer in the dp_reshardable format, which resumes only "
-            f"at the model-parallel layout it was saved with ({moved}). Fix: resume it once at that layout with "
-            "checkpoint.reshardable=true and let it save, or start `parakit train` on one node, which converts it"
-        )
-    if torch_adam.runs_torch_adam():
-        torch_adam.seed_states(optimizer)
-    loaded = dist_checkpointing.load(
-        _sharded_state(chunks, optimizer, True, optimizer_format), str(directory / "model_optim")
-    )
-    for i, chunk in enumerate(chunks):
-        chunk.load_state_dict(loaded[f"chunk{i}"], strict=True)
-    with torch.no_grad():  # dp_reshardable copies into the fp32 parameters themselves when they are the master
-        optimizer.load_state_dict(loaded["optimizer"])
+    state, rng = loaded
+    # once, for the checkpoint kept: megatron's scheduler adds the loaded steps to its own
     scheduler.load_state_dict(state["scheduler"])
-    rng = ckpt.saved_rng_state(directory, state, layout.world_size)
     if rng is not None:
         _set_rng_state(rng)
     if torch.distributed.get_rank() == 0:
