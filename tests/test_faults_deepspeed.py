@@ -1,6 +1,6 @@
 """Long runs that finish (deepspeed backend, CPU), with dropout on (its random state restored): a
 pipeline run stopped by a NaN loss resumes exactly, a killed ZeRO-3 rank restarts and resumes
-exactly; NaN losses skipped through DeepSpeed's overflow check; a resume into another ZeRO stage
+exactly past a damaged checkpoint; NaN losses skipped through DeepSpeed's overflow check; a resume into another ZeRO stage
 and dp size through a universal checkpoint. Which checkpoint a run resumed from is read from its
 result.json."""
 
@@ -55,18 +55,24 @@ def test_pipeline_run_stopped_by_a_nan_loss_resumes_exactly(tmp_path, uninterrup
 
 
 def test_killed_rank_restarts_and_resumes_exactly(tmp_path, uninterrupted):
-    """ZeRO-3: rank 1 dies at step 3, torchrun restarts both ranks, they resume from step 2."""
+    """ZeRO-3: rank 1 dies at step 3, torchrun restarts both ranks; step 2's checkpoint was damaged
+    after it was published, so the engine loads it, its checksums fail, and the ranks load step 1
+    over it and resume there exactly."""
     result = run(
         tmp_path,
         "restart",
         *LAYOUTS["zero3"],
+        "checkpoint.interval_steps=1",
+        "train.fault.corrupt_checkpoint_at_step=2",
         "train.fault.kill_rank=1",
         "train.fault.kill_at_step=3",
         "train.fault.max_restarts=1",
     )
     assert result.returncode == 0, result.stderr[-3000:]
     restarted = Trained(result.run_dir)
-    assert restarted.result["restarts"] == 1 and restarted.result["resumed_from"].endswith("step_00000002")
+    assert restarted.result["restarts"] == 1 and restarted.result["resumed_from"].endswith("step_00000001")
+    (unusable,) = restarted.result["unusable_checkpoints"]
+    assert unusable["checkpoint"] == "step_00000002" and "fails its sha256 checksum" in unusable["problem"]
     assert_same_training(uninterrupted["zero3"], restarted, EXACT)
 
 
