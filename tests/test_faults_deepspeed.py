@@ -1,8 +1,8 @@
 """Long runs that finish (deepspeed backend, CPU), with dropout on (its random state restored): a
 pipeline run stopped by a NaN loss resumes exactly, a killed ZeRO-3 rank restarts and resumes
-exactly past a damaged checkpoint; NaN losses skipped through DeepSpeed's overflow check; a resume into another ZeRO stage
-and dp size through a universal checkpoint. Which checkpoint a run resumed from is read from its
-result.json."""
+exactly past a damaged checkpoint; NaN losses skipped through DeepSpeed's overflow check; a
+resume into another ZeRO stage and dp size through a universal checkpoint. Which checkpoint a
+run resumed from is read from its result.json."""
 
 import pytest
 import training_runs
