@@ -179,6 +179,70 @@ def test_version_and_help(tmp_path, capsys):
     assert "--config-dir" in text and "--top" not in text
 
 
+def test_every_command_and_subcommand_has_help(capsys):
+    """`--help` anywhere after any verb, and on a two-word verb's first word, exits 0 with its options."""
+    from toolkit.cli import COMMANDS, main
+
+    for name, command in COMMANDS.items():
+        for flag in ("--help", "-h"):
+            assert main([*name.split(), flag]) == 0, name
+            text = capsys.readouterr().out
+            assert text.startswith(f"usage: parakit {name} "), name
+            for option in command.options:
+                assert option.kwargs.get("metavar", option.flags[0]) in text, (name, option.flags)
+    for group in ("data", "convert"):
+        assert main([group, "--help"]) == 0
+        text = capsys.readouterr().out
+        assert all(name in text for name in COMMANDS if name.startswith(group + " "))
+        assert main([group]) == 2 and main([group, "nonsense"]) == 2
+        assert "unknown subcommand 'nonsense'" in capsys.readouterr().err
+    assert main(["nonsense", "--help"]) == 2
+
+
+GPU_RUN = ["model=tiny", "data=synthetic", "train.steps=2"]
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["train", "cluster=1xh200"],
+        ["plan", "cluster=8xh100", "--measure", "1"],
+        ["sweep", "cluster=1xh200", "parallel.tp=1"],
+        ["scale", "cluster=8xh100", "--ranks", "1..2"],
+        ["reproduce", "recipe=gpt2_124m_1xh200", "--layouts", "dp1"],
+    ],
+)
+def test_a_gpu_cluster_is_refused_up_front_where_there_is_no_gpu(tmp_path, monkeypatch, capsys, argv):
+    """Every command that trains here refuses a GPU cluster on a machine without GPUs (this one) naming
+    the cluster and the fix, before it writes or starts anything."""
+    from toolkit.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main([*argv, *GPU_RUN, "hydra.run.dir=out", "hydra.sweep.dir=sweep"]) == 2
+    err = capsys.readouterr().err
+    assert "[device]" in err and "no CUDA GPU" in err and "cluster=cpu" in err
+    assert re.search(r"cluster='(1xh200|8xh100)'", err)
+    assert not (tmp_path / "out" / "config.yaml").exists() and not list(tmp_path.rglob("sweep.json"))
+
+
+def test_a_gpu_cluster_needs_its_gpus_per_node_and_a_dry_run_needs_none(tmp_path, monkeypatch, capsys):
+    """One GPU here (torch.cuda patched) and 8 ranks per node asked: refused with the count; a dry
+    run (writes files, starts nothing) is planning and goes ahead."""
+    import torch
+
+    from toolkit.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    assert main(["train", "cluster=8xh100", *GPU_RUN, "hydra.run.dir=out"]) == 2
+    err = capsys.readouterr().err
+    assert "cluster.gpus_per_node=8" in err and "this machine has 1 CUDA GPU." in err
+    assert "cluster.gpus_per_node=1)" in err  # the fix that trains here
+    assert main(["train", "cluster=8xh100", *GPU_RUN, "--dry-run", "hydra.run.dir=dry"]) == 0
+    assert (tmp_path / "dry" / "launch.sh").exists()
+
+
 def test_options_are_parsed_per_call(tmp_path, monkeypatch, capsys):
     from toolkit.cli import main
 

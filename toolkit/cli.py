@@ -105,17 +105,19 @@ def _summary(cfg, layout) -> str:
     )
 
 
-def _checked_layout(command: str, cfg):
+def _checked_layout(command: str, cfg, starts_ranks: bool = False):
     """Validate and print warnings, errors and the summary; the resolved layout, or None on errors.
     `parakit train` on one node checks here, the machine that trains, that it imports the packages
-    the options need; elsewhere (planning, or a job's other nodes) the summary lists them."""
+    the options need (and, when it starts the ranks, that it has the cluster's GPUs); elsewhere
+    (planning, or a job's other nodes) the summary lists them."""
+    from toolkit.config.machine import cuda_gpus
     from toolkit.plan.layout import resolve
     from toolkit.plan.validate import validate
 
     installed = None
     if command == "train" and cfg.cluster.nodes == 1:
         from toolkit.train.capabilities import importable as installed
-    report = validate(cfg, installed=installed)
+    report = validate(cfg, installed=installed, gpus=cuda_gpus() if starts_ranks else None)
     for violation in report.warnings:
         print(violation, file=sys.stderr)
     if not report.ok:
@@ -130,6 +132,18 @@ def _checked_layout(command: str, cfg):
     return layout, report
 
 
+def _refused_without_gpus(command: str, cfg) -> bool:
+    """Before a command that trains here starts work: True (and says why) when the cluster's GPUs
+    are not on this machine."""
+    from toolkit.config.machine import cuda_gpus
+    from toolkit.plan.validate import missing_gpus
+
+    refusals = list(missing_gpus(cfg, cuda_gpus()))
+    for violation in refusals:
+        print(f"parakit {command}: {violation}", file=sys.stderr)
+    return bool(refusals)
+
+
 def _validate(cfg, opts) -> int:
     layout, report = _checked_layout("validate", cfg)
     if layout is None:
@@ -138,13 +152,13 @@ def _validate(cfg, opts) -> int:
     return 0
 
 
-def _write_run_dir(command: str, cfg):
+def _write_run_dir(command: str, cfg, starts_ranks: bool = False):
     """Validate, then write the run files into Hydra's output directory: (layout, dir) or None."""
     from hydra.core.hydra_config import HydraConfig
 
     from toolkit.emit.files import write_run_files
 
-    layout, _ = _checked_layout(command, cfg)
+    layout, _ = _checked_layout(command, cfg, starts_ranks)
     if layout is None:
         return None
     out_dir = Path(HydraConfig.get().runtime.output_dir)
@@ -158,7 +172,7 @@ def _generate(cfg, opts) -> int:
 
 
 def _train(cfg, opts) -> int:
-    written = _write_run_dir("train", cfg)
+    written = _write_run_dir("train", cfg, starts_ranks=cfg.cluster.nodes == 1 and not opts.dry_run)
     if written is None:
         return 2
     layout, run_dir = written
@@ -252,6 +266,8 @@ def _sweep(cfg, opts) -> int:
     from toolkit.report.sweep import main_sweep_summary, run_point
 
     hc = HydraConfig.get()
+    if _refused_without_gpus("sweep", cfg):  # every point would fail the same way: nothing recorded
+        return 2
     if opts.from_plan:
         from toolkit.report.measure import measure_top, measured_table
 
@@ -297,10 +313,12 @@ def _reproduce(cfg, opts) -> int:
         if not recipe or recipe == "null" or opts.record:
             print("parakit reproduce: --layouts/--backends take a recipe=NAME and no --record", file=sys.stderr)
             return 2
+        if _refused_without_gpus("reproduce", cfg):
+            return 2
         opts.layouts = opts.layouts or _recipe_layout(cfg)
         opts.backends = opts.backends or str(cfg.backend.name)
         return reproduce_layouts(cfg, opts, recipe, list(hc.overrides.task), Path(hc.runtime.output_dir))
-    return reproduce(cfg, opts, recipe, list(hc.overrides.task), dirs, lambda c: _write_run_dir("reproduce", c))
+    return reproduce(cfg, opts, recipe, list(hc.overrides.task), dirs, lambda c: _write_run_dir("reproduce", c, True))
 
 
 def _name(text: str) -> str:
@@ -331,6 +349,8 @@ def _scale(cfg, opts) -> int:
 
     from toolkit.report.scale import scale_command
 
+    if _refused_without_gpus("scale", cfg):
+        return 2
     return scale_command(cfg, opts, list(HydraConfig.get().overrides.task))
 
 
@@ -358,6 +378,8 @@ def _plan(cfg, opts) -> int:
         return 0
     if not opts.measure:
         return plan_command(cfg, top=opts.top, as_json=opts.json)
+    if _refused_without_gpus("plan --measure", cfg):
+        return 2
     from hydra.core.hydra_config import HydraConfig
 
     from toolkit.config.schema import as_name
@@ -658,6 +680,25 @@ def _help(parser: argparse.ArgumentParser, dirs: list[Path]) -> str:
     return "\n".join(lines)
 
 
+def _group_help(argv: list[str]) -> int:
+    """`parakit data`, `parakit convert --help`: the sub-commands of a first word (exit 0 when help was
+    asked for, 2 otherwise); any other unknown word: the usage, exit 2."""
+    group = [c for c in COMMANDS.values() if c.name.split()[0] == argv[0] and " " in c.name]
+    if not group:
+        print(f"parakit: unknown command {argv[0]!r}\n\n{_usage()}", file=sys.stderr)
+        return 2
+    lines = [f"usage: parakit {argv[0]} SUBCOMMAND [OPTIONS]", "", "subcommands:"]
+    for c in group:
+        lines += textwrap.wrap(c.description, 90, initial_indent=f"  {c.name:<24} ", subsequent_indent=" " * 27)
+    lines += ["", f"`parakit {argv[0]} SUBCOMMAND --help` lists the subcommand's options."]
+    if argv[1:2] in (["-h"], ["--help"]):
+        print("\n".join(lines))
+        return 0
+    problem = f"unknown subcommand {argv[1]!r}" if argv[1:] else "a subcommand is needed"
+    print(f"parakit {argv[0]}: {problem}\n\n" + "\n".join(lines), file=sys.stderr)
+    return 2
+
+
 def _version() -> str:
     from importlib.metadata import PackageNotFoundError, version
 
@@ -739,19 +780,20 @@ def main(argv: list[str] | None = None) -> int:
     words = 2 if " ".join(argv[:2]) in COMMANDS else 1  # `data prepare`: a command of two words
     command = COMMANDS.get(" ".join(argv[:words]))
     if command is None:
-        print(f"parakit: unknown command {' '.join(argv[:2])!r}\n\n{_usage()}", file=sys.stderr)
-        return 2
+        return _group_help(argv)
     parser = _parser(command)
+    asks_help = "-h" in argv[words:] or "--help" in argv[words:]
     try:
         if not command.hydra:
-            if "-h" in argv or "--help" in argv:
+            if asks_help:
                 print(parser.format_help().rstrip())
                 return 0
             return command.handler(None, parser.parse_args(argv[words:]))
-        opts, rest = parser.parse_known_args(argv[words:])
-        if opts.help:
-            print(_help(parser, search_path(opts.config_dir)))
+        if asks_help:  # before parsing: a required positional (convert's HF_DIR) must not turn --help into exit 2
+            config_dirs = _parser(Command(command.name, "", None)).parse_known_args(argv[words:])[0].config_dir
+            print(_help(parser, search_path(config_dirs)))
             return 0
+        opts, rest = parser.parse_known_args(argv[words:])
         return _run_hydra_app(command, opts, rest)
     except (SearchPathError, UnknownOptionError) as e:
         print(f"parakit {command.name}: {e}", file=sys.stderr)

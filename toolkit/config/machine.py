@@ -88,6 +88,13 @@ def fingerprint(device: str = "cpu") -> dict:
     return print_
 
 
+def cuda_gpus() -> int:
+    """How many CUDA GPUs torch sees on this machine (0 without CUDA)."""
+    import torch
+
+    return torch.cuda.device_count() if torch.cuda.is_available() else 0
+
+
 def probe_device() -> str:
     """ "cuda" where torch sees a GPU (`parakit probe` then measures the GPUs), else "cpu"."""
     import torch

@@ -122,15 +122,39 @@ def _missing_packages(packages: tuple[Package, ...], installed: Callable[[str], 
             )
 
 
+def missing_gpus(cfg: Config, gpus: int) -> Iterator[Violation]:
+    """On the machine that trains: a GPU cluster needs its GPUs here (else a run builds the model and
+    then fails inside a CUDA kernel, or puts several ranks on one GPU)."""
+    cluster = cfg.cluster
+    if cluster.device != "cuda" or gpus >= cluster.gpus_per_node:
+        return
+    has = f"this machine has {gpus} CUDA GPU{'s' * (gpus != 1)}" if gpus else "this machine has no CUDA GPU"
+    yield err(
+        "device",
+        {"cluster": cluster.name, "cluster.gpus_per_node": cluster.gpus_per_node},
+        f"cluster {cluster.name} runs {cluster.gpus_per_node} rank(s) per node on CUDA GPUs and {has}",
+        "run where the cluster's GPUs are, or train on this machine with cluster=cpu"
+        + (f" (or cluster.gpus_per_node={gpus})" if gpus else ""),
+    )
+
+
 def validate(
-    cfg: Config, *, data: bool = True, memory: bool = True, installed: Callable[[str], bool] | None = None
+    cfg: Config,
+    *,
+    data: bool = True,
+    memory: bool = True,
+    installed: Callable[[str], bool] | None = None,
+    gpus: int | None = None,
 ) -> Report:
     """Every error and warning of `cfg`, at once. `data=False` leaves out the rules about the
     training data (the layout search: a layout does not depend on the data); `memory=False` the
     memory check (the search weighs memory itself). `installed(module)` says whether this machine
     imports a module: given on the machine that trains, a package an option needs and this machine
-    lacks is an error; without it (planning elsewhere) the report lists what the options need."""
+    lacks is an error; without it (planning elsewhere) the report lists what the options need.
+    `gpus`, given where the run starts its ranks, is how many CUDA GPUs this machine has."""
     errors, packages = _errors(cfg, data, installed)
+    if gpus is not None and not any(e.rule == "range" for e in errors):
+        errors += missing_gpus(cfg, gpus)
     warnings = []
     if not errors and memory:
         found = list(_memory(cfg))

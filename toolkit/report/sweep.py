@@ -276,6 +276,7 @@ def record(sweep_dir: Path, row: dict) -> None:
 
 def run_point(cfg: Config, overrides: list[str], run_dir: Path, sweep_dir: Path, opts: SweepOptions) -> dict:
     """Validate, train and measure one point; its row (also recorded)."""
+    from toolkit.config.machine import cuda_gpus
     from toolkit.emit.files import write_run_files
     from toolkit.plan.validate import validate
 
@@ -284,7 +285,7 @@ def run_point(cfg: Config, overrides: list[str], run_dir: Path, sweep_dir: Path,
     if done.get(key, {}).get("status") in FINISHED:
         return {**done[key], "skipped": True}
     started = time.monotonic()
-    report = validate(cfg)
+    report = validate(cfg, gpus=cuda_gpus())  # its ranks start here
     row = {"point": key, "run_dir": str(run_dir)}
     if not report.ok:
         row |= _layout_fields(cfg, None) | {"status": "invalid", "error": "; ".join(map(str, report.errors))}
