@@ -400,3 +400,70 @@ def test_multi_node_train_detach_submits_launch_sh_from_the_run_directory(tmp_pa
         "--open-mode=append",
         f"{run_dir}/launch.sh",
     ]
+
+
+TEAM_CLUSTER = """name: mine
+device: cuda
+gpu: H100
+gpus_per_node: 8
+peak_tflops_bf16: 989
+peak_tflops_fp32: 67
+intra_node_bandwidth_gbs: 450
+inter_node_bandwidth_gbs: 50
+hbm_bandwidth_gbs: 3000
+"""
+
+
+@pytest.mark.parametrize(
+    "override",
+    [
+        "cluster.gpu_memory_gb=0",
+        "cluster.gemm_efficiency=1.5",
+        "cluster.inter_node_bandwidth_gbs=-5",
+        "cluster.slurm.time=banana",
+        "train.fault.max_restarts=-1",
+        "cluster.gpus_per_node=0",
+        "cluster.hbm_bandwidth_gbs=null",
+    ],
+)
+def test_a_value_out_of_its_bounds_is_refused_by_validate_and_plan_naming_the_field(
+    tmp_path, monkeypatch, capsys, override
+):
+    from toolkit.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    field = override.split("=")[0]
+    for command in ("validate", "plan"):
+        assert main([command, override]) == 2, command
+        out = capsys.readouterr()
+        assert f"{field}=" in out.out + out.err and "Fix: " in out.out + out.err
+        assert "Traceback" not in out.err, out.err
+
+
+def test_a_team_file_is_checked_field_by_field_and_named(tmp_path, monkeypatch, capsys):
+    """A team's cluster file without gpu_memory_gb (the schema once filled in 4 GB) is refused naming
+    the field and the file; a file that is not YAML, or not a mapping, is named with its line."""
+    from toolkit.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "team" / "cluster").mkdir(parents=True)
+    (tmp_path / "team" / "cluster" / "mine.yaml").write_text(TEAM_CLUSTER)
+    team = ["--config-dir", str(tmp_path / "team"), "cluster=mine", "model=llama3_8b"]
+    for command in ("validate", "plan"):
+        assert main([command, *team]) == 2
+        out = capsys.readouterr()
+        assert "cluster.gpu_memory_gb=None" in out.out + out.err
+        assert f"(cluster=mine is {tmp_path / 'team' / 'cluster' / 'mine.yaml'})" in out.err
+    (tmp_path / "team" / "cluster" / "mine.yaml").write_text(TEAM_CLUSTER + "gpu_memory_gb: 80\n")
+    assert main(["validate", *team, "parallel.tp=8"]) == 0
+    capsys.readouterr()
+    (tmp_path / "team" / "model").mkdir()
+    bad = tmp_path / "team" / "model" / "broken.yaml"
+    for text, problem in (
+        ("name: broken\nnum_layers: [\n", "not valid YAML at line 3"),
+        ("- 1\n- 2\n", "holds a list"),
+    ):
+        bad.write_text(text)
+        assert main(["validate", *team]) == 1
+        err = capsys.readouterr().err
+        assert f"{bad}: {problem}" in err and "Traceback" not in err

@@ -105,6 +105,25 @@ def _summary(cfg, layout) -> str:
     )
 
 
+def _files_of(violations) -> list[str]:
+    """Where the fields of `violations` were set when not on the command line: the user's own option
+    files (`cluster=mine is /team/cluster/mine.yaml`), so that a team's file is named with its field."""
+    from hydra.core.hydra_config import HydraConfig
+
+    from toolkit.config.store import conf_dir
+
+    hc = HydraConfig.get()
+    given = {o.split("=", 1)[0].lstrip("+~") for o in hc.overrides.task}
+    dirs = [Path(s.path.removeprefix("file://")) for s in hc.runtime.config_sources if s.schema == "file"]
+    fields = {f for v in violations for f in v.fields if f not in given}
+    notes = []
+    for group in sorted({f.split(".")[0] for f in fields if "." in f}):
+        option = hc.runtime.choices.get(group)
+        files = [d / group / f"{option}.yaml" for d in dirs if d != conf_dir()] if option else []
+        notes += [f"  ({group}={option} is {file})" for file in files if file.is_file()]
+    return notes
+
+
 def _checked_layout(command: str, cfg, starts_ranks: bool = False):
     """Validate and print warnings, errors and the summary; the resolved layout, or None on errors.
     `parakit train` on one node checks here, the machine that trains, that it imports the packages
@@ -122,8 +141,8 @@ def _checked_layout(command: str, cfg, starts_ranks: bool = False):
         print(violation, file=sys.stderr)
     if not report.ok:
         print(f"parakit {command}: {len(report.errors)} error(s); nothing was generated.", file=sys.stderr)
-        for violation in report.errors:
-            print(violation, file=sys.stderr)
+        for line in [*map(str, report.errors), *_files_of(report.errors)]:
+            print(line, file=sys.stderr)
         return None, report
     layout = resolve(cfg)
     print(_summary(cfg, layout))
@@ -377,7 +396,12 @@ def _plan(cfg, opts) -> int:
         print(curve_table(curve, opts.threshold))
         return 0
     if not opts.measure:
-        return plan_command(cfg, top=opts.top, as_json=opts.json)
+        code = plan_command(cfg, top=opts.top, as_json=opts.json)
+        if code:
+            from toolkit.plan.validate import validate
+
+            print("\n".join(_files_of(validate(cfg, memory=False).errors)), file=sys.stderr)
+        return code
     if _refused_without_gpus("plan --measure", cfg):
         return 2
     from hydra.core.hydra_config import HydraConfig

@@ -227,11 +227,13 @@ class Bounds:
     message: str
     fix: str
     min: float | None = None  # inclusive; nan and inf are the finite rule's
+    max: float | None = None  # inclusive
     below: float | None = None  # exclusive
     above: float | None = None  # exclusive, and -inf is below it
     choices: tuple | None = None
     pattern: str | None = None  # a text field (each item of a list of them) matches this regular expression whole
     rule: str = "range"
+    required: bool = False  # null is refused too (a cluster file must say what its hardware has)
 
 
 def _bounded(default, bounds: Bounds):
@@ -289,12 +291,76 @@ def sbatch_value(default):
     return _bounded(default, SBATCH_VALUE)
 
 
+def path_text(default):
+    """A file or folder path: one line, no control characters (launch.sh and messages print it)."""
+    return _bounded(
+        default,
+        Bounds(
+            "must be a path on one line, without control characters",
+            "remove the newlines and control characters from {path}",
+            pattern=r"[^\x00-\x1f\x7f]+",
+            rule="path",
+        ),
+    )
+
+
+# sbatch --time's formats (Slurm's sbatch(1)): "minutes", "minutes:seconds", "hours:minutes:seconds",
+# "days-hours", "days-hours:minutes", "days-hours:minutes:seconds"; INFINITE or UNLIMITED for none.
+SLURM_TIME = r"\d+(:\d{1,2}){0,2}|\d+-\d{1,2}(:\d{1,2}){0,2}|INFINITE|UNLIMITED"
+
+
+def slurm_time(default):
+    return _bounded(
+        default,
+        Bounds(
+            "is not a time limit sbatch reads (MM, MM:SS, HH:MM:SS, D-HH, D-HH:MM, D-HH:MM:SS or UNLIMITED)",
+            "set {path}=HH:MM:SS, e.g. 04:00:00, or D-HH:MM:SS for days",
+            pattern=SLURM_TIME,
+            rule="slurm_time",
+        ),
+    )
+
+
+def hardware(default):
+    """A hardware rate or size the planner divides by: positive, and a cluster file must give it."""
+    return _bounded(
+        default,
+        Bounds(
+            "must be given and positive (the planner divides by it)",
+            "set {path} to the cluster's figure (its datasheet, or `parakit probe`)",
+            above=0,
+            required=True,
+        ),
+    )
+
+
+def peak_or_zero(default):
+    """A datasheet peak a cluster file must give; 0 where the accelerator lacks the format (V100's bf16)."""
+    return _bounded(
+        default,
+        Bounds(
+            "must be given and not negative (0: the accelerator lacks the format)",
+            "set {path} to the datasheet's dense peak, TFLOP/s",
+            min=0,
+            required=True,
+        ),
+    )
+
+
+def positive(default):
+    return _bounded(default, Bounds("must be positive", "set {path} > 0", above=0))
+
+
+def fraction(default):
+    return _bounded(default, Bounds("is a fraction: it lies in (0, 1]", "set {path} in (0, 1]", above=0, max=1))
+
+
 def at_least_one(default):
     return _bounded(default, Bounds("must be a positive integer", "set {path} >= 1", min=1))
 
 
 def non_negative(default):
-    return _bounded(default, Bounds("must not be negative", "set {path} >= 0", min=0))
+    return _bounded(default, NON_NEGATIVE)
 
 
 def positive_or_null(default):
@@ -309,6 +375,9 @@ def beta(default):
     return _bounded(
         default, Bounds("an Adam beta lies in [0, 1)", "set {path}=0.9 (beta1) or 0.95 (beta2)", min=0, below=1)
     )
+
+
+NON_NEGATIVE = Bounds("must not be negative", "set {path} >= 0", min=0)
 
 
 def zero_stage(default):
@@ -329,10 +398,10 @@ class RopeScalingConfig:
     """
 
     type: RopeScalingType = RopeScalingType.none
-    factor: float = 8.0  # how much the low frequencies are slowed down
-    low_freq_factor: float = 1.0  # wavelengths above L / low_freq_factor are divided by factor
-    high_freq_factor: float = 4.0  # wavelengths below L / high_freq_factor are kept
-    original_max_position_embeddings: int = 8192  # L: the context the model was pretrained at
+    factor: float = positive(8.0)  # how much the low frequencies are slowed down
+    low_freq_factor: float = positive(1.0)  # wavelengths above L / low_freq_factor are divided by factor
+    high_freq_factor: float = positive(4.0)  # wavelengths below L / high_freq_factor are kept
+    original_max_position_embeddings: int = at_least_one(8192)  # L: the context the model was pretrained at
 
 
 @dataclass
@@ -351,7 +420,8 @@ class MoeConfig:
     shared_expert_size: Optional[int] = at_least_one(None)
     shared_expert_gate: bool = False  # a sigmoid gate on the shared experts' output (Qwen2-MoE)
     layer_freq: int = at_least_one(1)  # layer i is an MoE layer when i % layer_freq == 0 ...
-    dense_layers: list[int] = field(default_factory=list)  # ... and i is not listed here (0-based)
+    # ... and i is not listed here (0-based)
+    dense_layers: list[int] = field(default_factory=list, metadata={"bounds": NON_NEGATIVE})
     load_balancing: LoadBalancing = LoadBalancing.aux_loss
     aux_loss_coeff: float = non_negative(1e-2)  # the load-balancing loss's weight
     z_loss_coeff: Optional[float] = positive_or_null(None)  # router z-loss (Zoph et al. 2022, "ST-MoE", eq. 5)
@@ -370,7 +440,7 @@ class ModelConfig:
 
     name: str = a_name("tiny")
     family: Family = Family.llama  # the Hugging Face architecture it maps to
-    sliding_window: Optional[int] = None  # mistral: attend to the last N tokens only (this one included)
+    sliding_window: Optional[int] = at_least_one(None)  # mistral: attend to the last N tokens only (this one included)
     num_layers: int = at_least_one(8)
     hidden_size: int = at_least_one(64)
     num_attention_heads: int = at_least_one(4)
@@ -386,7 +456,7 @@ class ModelConfig:
     norm_epsilon: float = non_negative(1e-5)
     activation: Activation = Activation.swiglu
     position_embedding: PositionEmbedding = PositionEmbedding.rope
-    rotary_base: float = 10000.0  # RoPE's theta (HF rope_theta)
+    rotary_base: float = positive(10000.0)  # RoPE's theta (HF rope_theta)
     rope_scaling: RopeScalingConfig = field(default_factory=RopeScalingConfig)
     tie_embeddings: bool = False
     add_bias_linear: bool = False
@@ -399,7 +469,7 @@ class ModelConfig:
     # A local Hugging Face model directory (config.json + safetensors) whose weights training
     # starts from, on either backend (train.init_checkpoint, when set, replaces them); its
     # architecture must match the fields above. model=hf reads those fields from its config.json.
-    hf_path: Optional[str] = None
+    hf_path: Optional[str] = path_text(None)
 
 
 def head_dim(m: ModelConfig) -> int:
@@ -460,15 +530,15 @@ class ZeroConfig:
     stage: int = zero_stage(1)
     offload_optimizer: Offload = Offload.none
     offload_param: Offload = Offload.none  # stage 3 only
-    nvme_path: Optional[str] = None
+    nvme_path: Optional[str] = path_text(None)
     # Overlap the data-parallel communication with compute: DeepSpeed's overlap_comm (ZeRO 2/3),
     # megatron-core's overlap_grad_reduce and, with the distributed optimizer, overlap_param_gather.
     overlap_comm: bool = True
-    reduce_bucket_size: int = 500_000_000
-    allgather_bucket_size: int = 500_000_000
-    stage3_prefetch_bucket_size: int = 50_000_000
-    stage3_param_persistence_threshold: int = 100_000
-    stage3_max_live_parameters: int = 1_000_000_000
+    reduce_bucket_size: int = at_least_one(500_000_000)
+    allgather_bucket_size: int = at_least_one(500_000_000)
+    stage3_prefetch_bucket_size: int = at_least_one(50_000_000)
+    stage3_param_persistence_threshold: int = non_negative(100_000)
+    stage3_max_live_parameters: int = at_least_one(1_000_000_000)
 
 
 @dataclass
@@ -505,7 +575,9 @@ class PrecisionConfig:
         1.0,
         Bounds("a static loss scale must be positive", "set {path} > 0, or precision.loss_scaling=dynamic", above=0),
     )
-    initial_scale_power: int = 16  # dynamic: start at 2**power
+    initial_scale_power: int = _bounded(  # dynamic: start at 2**power
+        16, Bounds("the first loss scale 2**power must be a finite fp32 number", "set {path} in 0..64", min=0, max=64)
+    )
     loss_scale_window: int = non_negative(1000)
     hysteresis: int = non_negative(2)
     min_loss_scale: float = non_negative(1.0)
@@ -544,22 +616,21 @@ class FaultConfig:
     """Fault handling, and fault injection for tests and drills (injections act on the first
     attempt only, so that a restarted job runs through)."""
 
-    max_restarts: int = (
-        0  # torchrun restarts the ranks this often; each restart resumes from the newest good checkpoint
-    )
-    watchdog_timeout_s: Optional[float] = None  # end the job when a rank makes no progress this long
+    max_restarts: int = non_negative(0)  # torchrun restarts the ranks this often; each resumes
+    watchdog_timeout_s: Optional[float] = positive_or_null(None)  # end the job when a rank makes no progress this long
     # On a non-finite loss: skip (the update) | stop (keep the last good checkpoint).
     nan_action: NanAction = NanAction.stop
-    kill_rank: Optional[int] = None  # this rank dies ...
-    kill_at_step: Optional[int] = None  # ... at the start of this step
-    stall_rank: Optional[int] = None  # this rank hangs ...
-    stall_at_step: Optional[int] = None  # ... at the start of this step ...
-    stall_seconds: float = 3600.0  # ... for this long
-    nan_at_step: Optional[int] = None  # the loss of this step becomes NaN
-    oom_rank: Optional[int] = None  # this rank runs out of device memory ...
-    oom_at_step: Optional[int] = None  # ... at the start of this step (raised as the allocator raises it)
-    crash_in_save_at_step: Optional[int] = None  # rank 0 dies after writing, before publishing, this save
-    corrupt_checkpoint_at_step: Optional[int] = None  # the checkpoint of this step is damaged after publishing
+    kill_rank: Optional[int] = non_negative(None)  # this rank dies ...
+    kill_at_step: Optional[int] = at_least_one(None)  # ... at the start of this step
+    stall_rank: Optional[int] = non_negative(None)  # this rank hangs ...
+    stall_at_step: Optional[int] = at_least_one(None)  # ... at the start of this step ...
+    stall_seconds: float = non_negative(3600.0)  # ... for this long
+    nan_at_step: Optional[int] = at_least_one(None)  # the loss of this step becomes NaN
+    oom_rank: Optional[int] = non_negative(None)  # this rank runs out of device memory ...
+    oom_at_step: Optional[int] = at_least_one(None)  # ... at the start of this step (raised as the allocator raises it)
+    crash_in_save_at_step: Optional[int] = at_least_one(None)  # rank 0 dies after writing, before publishing, this save
+    # the checkpoint of this step is damaged after publishing
+    corrupt_checkpoint_at_step: Optional[int] = at_least_one(None)
     # SIGTERM, SIGINT or SIGHUP to `parakit train`: finish the step, save it, then stop (Megatron-LM's
     # --exit-signal-handler); a second signal stops at once. false: every rank stops at once.
     save_on_stop: bool = False
@@ -575,7 +646,9 @@ class TrainConfig:
     # Stop after this many steps while the learning-rate schedule still spans train.steps (a short
     # look at a long run, as Megatron-LM's --exit-interval): saved at the stop when checkpointing.
     stop_after_steps: Optional[int] = at_least_one(None)
-    seed: int = 1234
+    seed: int = _bounded(  # numpy's and torch's seeds are unsigned 32-bit
+        1234, Bounds("a seed lies in 0..4294967295 (2**32 - 1)", "set {path} in 0..4294967295", min=0, max=2**32 - 1)
+    )
     log_interval: int = at_least_one(1)
     # Validation loss every N steps (and after the last) on the validation part of data.split:
     # the same eval_iters global batches each time, so that the values compare. null: none.
@@ -585,9 +658,9 @@ class TrainConfig:
     # unfused: QK^T, softmax and AV as separate kernels (pre-2023 Megatron, eager PyTorch on CPU).
     attention_backend: AttentionBackend = AttentionBackend.flash
     # Start from these model weights (a megatron-core dist checkpoint, any layout: resharded on load).
-    init_checkpoint: Optional[str] = None
+    init_checkpoint: Optional[str] = path_text(None)
     # Save the initial weights there before the first step (to start other layouts from them).
-    save_init_checkpoint: Optional[str] = None
+    save_init_checkpoint: Optional[str] = path_text(None)
     # CPU: record each rank's peak bytes held by tensors (torch.profiler's memory events over
     # start-up and the first two steps, which it slows); sweeps turn it on. GPUs always record
     # the allocator's peak.
@@ -606,10 +679,10 @@ class StackCosts:
     """What one backend's software stack costs on a cluster beside the work the planner models
     (operator dispatch, Python, the loss's own kernels), measured by `parakit probe` on one rank."""
 
-    layer_s: float = 0.0  # per layer and micro-batch, forward and backward
-    loss_s_per_logit: float = 0.0  # the loss, forward and backward, per logit (token x vocab entry)
-    step_s: float = 0.0  # per optimizer step (optimizer launch, bookkeeping)
-    tp_layer_s: float = 0.0  # added per layer and micro-batch under tensor parallel (its mappings)
+    layer_s: float = non_negative(0.0)  # per layer and micro-batch, forward and backward
+    loss_s_per_logit: float = non_negative(0.0)  # the loss, forward and backward, per logit (token x vocab entry)
+    step_s: float = non_negative(0.0)  # per optimizer step (optimizer launch, bookkeeping)
+    tp_layer_s: float = non_negative(0.0)  # added per layer and micro-batch under tensor parallel (its mappings)
 
 
 @dataclass
@@ -620,23 +693,31 @@ class SlurmConfig:
     account: Optional[str] = sbatch_value(None)
     qos: Optional[str] = sbatch_value(None)
     # the job's time limit as sbatch takes it (HH:MM:SS, D-HH:MM:SS); null: the partition's
-    time: Optional[str] = sbatch_value(None)
+    time: Optional[str] = slurm_time(None)
     constraint: Optional[str] = sbatch_value(None)  # node features (--constraint)
     exclusive: bool = True  # whole nodes: no other job shares their devices or network
     # CPUs for each node's one task (torchrun and its ranks); null: one per rank on CPU clusters,
     # Slurm's default on GPU clusters.
-    cpus_per_task: Optional[int] = None
+    cpus_per_task: Optional[int] = at_least_one(None)
     extra_sbatch: list[str] = field(default_factory=list, metadata={"bounds": SBATCH_VALUE})  # e.g. ["--mail-type=END"]
-    container_image: Optional[str] = None  # pyxis/enroot: srun --container-image
-    container_mounts: Optional[str] = None  # pyxis/enroot: srun --container-mounts (SRC:DST,...)
+    container_image: Optional[str] = path_text(None)  # pyxis/enroot: srun --container-image
+    container_mounts: Optional[str] = path_text(None)  # pyxis/enroot: srun --container-mounts (SRC:DST,...)
     # The network interface NCCL and gloo use between nodes (NCCL_SOCKET_IFNAME, GLOO_SOCKET_IFNAME);
     # null: their own choice.
-    socket_ifname: Optional[str] = None
+    socket_ifname: Optional[str] = _bounded(
+        None,
+        Bounds(
+            "must be interface names as NCCL_SOCKET_IFNAME takes them (eth0, ib0,eth1, ^docker,lo or =eth0)",
+            "set {path} to an interface name (ip link lists them), or null",
+            pattern=r"[\^=]?[A-Za-z0-9_.:-]+(,[A-Za-z0-9_.:-]+)*",
+            rule="ifname",
+        ),
+    )
     log_dir: Optional[str] = sbatch_value(None)  # the job's log and one log per node; null: <run directory>/logs
     # Preemption: Slurm signals the batch script this many seconds before the time limit
     # (--signal=B:USR1@S); the ranks stop after their step with a checkpoint and the job requeues
     # itself (toolkit.train.preemption). null: no signal.
-    signal_before_s: Optional[int] = 300
+    signal_before_s: Optional[int] = at_least_one(300)
     requeue: bool = True  # --requeue: Slurm may requeue the job, and it requeues itself when preempted
 
 
@@ -650,39 +731,42 @@ class ClusterConfig:
     default_dtype: Dtype = Dtype.fp32
     nodes: int = at_least_one(1)
     gpus_per_node: int = at_least_one(4)  # on CPU: processes per node
-    gpu_memory_gb: float = non_negative(4.0)
+    gpu_memory_gb: Optional[float] = hardware(None)
     # Dense peak throughput per device, TFLOP/s (vendor datasheet, no sparsity).
-    peak_tflops_bf16: float = 0.5
-    peak_tflops_fp16: float = 0.0
-    peak_tflops_fp32: float = 0.5
-    peak_tflops_fp8: float = 0.0
+    peak_tflops_bf16: Optional[float] = peak_or_zero(None)
+    peak_tflops_fp16: float = non_negative(0.0)  # 0: none
+    peak_tflops_fp32: Optional[float] = hardware(None)
+    peak_tflops_fp8: float = non_negative(0.0)  # 0: none
     # Bandwidth per device, GB/s in one direction.
-    intra_node_bandwidth_gbs: float = 10.0
-    inter_node_bandwidth_gbs: float = 1.0
+    intra_node_bandwidth_gbs: Optional[float] = hardware(None)
+    inter_node_bandwidth_gbs: Optional[float] = hardware(None)
     # Latency of one step of a ring collective (the alpha of the alpha-beta model): NCCL's
     # all-reduce of a small message takes ~20 us on 8 GPUs, 14 ring steps (nccl-tests).
-    collective_latency_s: float = 1.5e-6
+    collective_latency_s: float = non_negative(1.5e-6)
     # Point-to-point sends (pipeline activations): latency, and bandwidth (null: the link's).
-    p2p_latency_s: float = 20e-6
-    p2p_bandwidth_gbs: Optional[float] = None
+    p2p_latency_s: float = non_negative(20e-6)
+    p2p_bandwidth_gbs: Optional[float] = positive_or_null(None)
     # Device memory bandwidth that memory-bound work reaches (STREAM's triad, measured; the
     # datasheet figure is the pins' rate, 83-89% of which a kernel streams on A100-H200).
-    hbm_bandwidth_gbs: float = 20.0
+    hbm_bandwidth_gbs: Optional[float] = hardware(None)
     # How fast a new large tensor is first written where the allocator maps fresh pages for it
     # (CPU: glibc maps tensors over 32 MiB afresh, and each page faults in); null: allocations
     # reuse memory (the GPU caching allocator).
-    fresh_memory_gbs: Optional[float] = None
+    fresh_memory_gbs: Optional[float] = positive_or_null(None)
     # Fraction of peak a large, well-shaped GEMM sustains in training (a matmul benchmark that holds
     # the GPU at its power limit, below the boost clock a short burst reaches).
-    gemm_efficiency: float = 0.8
+    gemm_efficiency: float = fraction(0.8)
     # How far the sustained GEMM rate of the GPUs of one node spreads, fastest to slowest, as a
     # fraction of it: chips of one model differ, and a synchronous step waits on the slowest GPU
     # of the whole job (toolkit.plan.kernels.slowest_chip_factor). 0: identical chips.
-    gemm_chip_spread: float = 0.0
+    gemm_chip_spread: float = _bounded(
+        0.0,
+        Bounds("is a fraction of the GEMM rate: it lies in [0, 1)", "set {path} in [0, 1), e.g. 0.05", min=0, below=1),
+    )
     # A GEMM dimension at which a kernel reaches half its large-shape efficiency (the saturation
     # curve `parakit probe` fits on CPU; on GPUs it shapes only flash attention's head dimension
     # and block, their GEMMs follow tile and wave quantization instead, see sm_count).
-    gemm_half_size: float = 128.0
+    gemm_half_size: float = non_negative(128.0)
     # Streaming multiprocessors of one GPU (NVIDIA whitepapers: V100 80, A100 108, H100/H200 SXM
     # 132): a GEMM's output tiles run in waves of this many (toolkit.plan.kernels.wave_efficiency).
     # null (CPU): GEMMs follow the gemm_half_size saturation curve.
@@ -705,21 +789,21 @@ class ClusterConfig:
     # Fixed time every optimizer step costs beside its modelled work (framework and Python
     # dispatch, kernel launches, synchronisation): 0 for a datasheet cluster, fitted by
     # `parakit calibrate` from a measured sweep.
-    step_overhead_s: float = 0.0
+    step_overhead_s: float = non_negative(0.0)
     # Time each layer costs per micro-batch beside its modelled work (operator dispatch and kernel
     # launches, forward and backward): what bounds small layers; 0 for a datasheet cluster, fitted
     # by `parakit calibrate`.
-    layer_overhead_s: float = 0.0
+    layer_overhead_s: float = non_negative(0.0)
     # CPU clusters: the cores one node's ranks share (one thread per rank); more ranks than cores
     # time-share them. null: this machine's core count.
-    cores_per_node: Optional[int] = None
+    cores_per_node: Optional[int] = at_least_one(None)
     # backend name -> its stack's costs; none: the planner's work model alone (datasheet clusters)
     stack: dict[str, StackCosts] = field(default_factory=dict)
-    gpu_mtbf_hours: float = 50_000.0  # mean time between failures of one device
-    checkpoint_write_gbs_per_node: float = 2.0  # sustained checkpoint write bandwidth per node
+    gpu_mtbf_hours: float = positive(50_000.0)  # mean time between failures of one device
+    checkpoint_write_gbs_per_node: float = positive(2.0)  # sustained checkpoint write bandwidth per node
     # One GPU's copies to host memory (an asynchronous save's snapshot holds training this long):
     # the host link's sustained rate; null: hbm_bandwidth_gbs (CPU ranks copy within memory).
-    host_link_gbs: Optional[float] = None
+    host_link_gbs: Optional[float] = positive_or_null(None)
     # The network: inter_node_bandwidth_gbs is one NIC's line rate (one GPU's port on a rail-optimised
     # fabric), and a node has nics_per_node of them (null: one per GPU). NCCL runs a ring over nodes
     # with a channel per NIC, so a group with r ranks on each node crosses over r GPUs' share of the
@@ -743,9 +827,9 @@ class DataConfig:
     name: DataName = DataName.corpus
     # A prefix made by `parakit data prepare` (its manifest names the tokenizer and vocabulary), or
     # a blend "W1 PREFIX1 W2 PREFIX2 ..." as Megatron-LM's --data-path; null: the bundled corpus.
-    path: Optional[str] = None
+    path: Optional[str] = path_text(None)
     tokenizer: Tokenizer = Tokenizer.gpt2  # for a prefix without a manifest
-    split: str = "98,2,0"  # train,valid,test shares of the documents (Megatron-LM's --split)
+    split: str = one_line("98,2,0")  # train,valid,test shares of the documents (Megatron-LM's --split)
     # DataLoader processes per rank making micro-batches ahead of the step; null: 2 on GPUs, 0 on CPU.
     num_workers: Optional[int] = non_negative(None)
 
@@ -760,7 +844,7 @@ class CheckpointVerify(StrEnum):
 
 @dataclass
 class CheckpointConfig:
-    dir: Optional[str] = None  # default: <run directory>/checkpoints
+    dir: Optional[str] = path_text(None)  # default: <run directory>/checkpoints
     interval_steps: Optional[int] = at_least_one(None)  # save every N steps
     interval_minutes: Optional[float] = positive_or_null(None)  # or every N minutes of wall time
     # or the planner's rule (Daly's interval, capped by the rework bound) with the measured save time
@@ -780,8 +864,8 @@ class CheckpointConfig:
     verify: CheckpointVerify = CheckpointVerify.sha256
     # For the planner's interval rule: the rework one failure may cost at most, and the
     # measured time of one save (estimated from checkpoint size and bandwidth when null).
-    acceptable_rework_minutes: float = 30.0
-    save_seconds: Optional[float] = None
+    acceptable_rework_minutes: float = positive(30.0)
+    save_seconds: Optional[float] = positive_or_null(None)
 
 
 class MemoryCheck(StrEnum):
@@ -798,8 +882,10 @@ class ChecksConfig:
 
     memory: MemoryCheck = MemoryCheck.error  # a layout predicted not to fit in cluster.gpu_memory_gb
 
-    max_bubble_fraction: float = 0.25  # warn when (pp-1)/(vpp*m) exceeds this
-    min_microbatches_per_stage: int = 4  # warn when micro-batches < this * pp
+    max_bubble_fraction: float = _bounded(
+        0.25, Bounds("is a fraction of the step: it lies in [0, 1]", "set {path} in [0, 1], e.g. 0.25", min=0, max=1)
+    )  # warn when (pp-1)/(vpp*m) exceeds this
+    min_microbatches_per_stage: int = at_least_one(4)  # warn when micro-batches < this * pp
 
 
 @dataclass
@@ -817,4 +903,4 @@ class Config:
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     checks: ChecksConfig = field(default_factory=ChecksConfig)
-    description: str = ""  # a recipe says what it is for
+    description: str = one_line("")  # a recipe says what it is for

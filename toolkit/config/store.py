@@ -86,7 +86,26 @@ def search_path(config_dirs: Sequence[str | Path] = ()) -> list[Path]:
                     "(options add names to the search path, they cannot replace one)"
                 )
             owner[rel] = d
+            if d != dirs[0]:
+                _check_yaml(file)
     return dirs
+
+
+def _check_yaml(file: Path) -> None:
+    """A user's config file reads as YAML and holds a mapping (Hydra would end in a traceback)."""
+    import yaml
+
+    try:
+        content = yaml.safe_load(file.read_text())
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise SearchPathError(f"{file}: not valid YAML{where}: {problem}; fix the file") from None
+    except (OSError, UnicodeDecodeError) as e:
+        raise SearchPathError(f"{file}: cannot be read ({e})") from None
+    if content is not None and not isinstance(content, dict):
+        raise SearchPathError(f"{file}: holds a {type(content).__name__}, not a mapping of fields; fix the file")
 
 
 def group_options(dirs: Sequence[Path]) -> dict[str, list[str]]:

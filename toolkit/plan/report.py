@@ -126,9 +126,10 @@ def _print_json(cfg, result, path, configured, ckpt, top) -> None:
 
 def _print_text(cfg, result, path, configured, ckpt, top) -> None:
     c = cfg.cluster
+    memory = f"{c.gpu_memory_gb:g} GB" if c.gpu_memory_gb else "memory not given"
     print(
         f"{cfg.model.name} ({model_params(cfg.model) / 1e9:.2f}B parameters) on {c.name}: {world_size(cfg)} x {c.gpu} "
-        f"({c.gpu_memory_gb:g} GB), global batch {cfg.train.global_batch} x {cfg.model.seq_length} tokens, "
+        f"({memory}), global batch {cfg.train.global_batch} x {cfg.model.seq_length} tokens, "
         f"{cfg.precision.dtype}, backend {cfg.backend.name}"
     )
     if configured["valid"]:

@@ -29,6 +29,7 @@ from toolkit.plan.parallel_dims import DIMS, ParallelDims
 from toolkit.plan.params import model_params, moe_layer_params
 from toolkit.plan.perf import StepEstimate, estimate_step
 from toolkit.plan.rules.base import divisors
+from toolkit.plan.rules.ranges import ranges
 from toolkit.plan.traffic import remedies
 from toolkit.plan.validate import is_valid
 
@@ -290,11 +291,18 @@ def search(cfg: Config) -> SearchResult:
         return _search(cfg)
 
 
+# The fields the search chooses; a range error anywhere else holds for every candidate.
+SEARCHED = ("parallel.", "train.micro_batch", "train.grad_accum", "zero.", "recompute.")
+
+
 def _search(cfg: Config) -> SearchResult:
     start = time.perf_counter()
     considered = valid = 0
     fitting: list[Candidate] = []
     smallest = None
+    if any(not any(f.startswith(SEARCHED) for f in e.fields) for e in ranges(cfg)):
+        # e.g. a cluster file's gpus_per_node=0 or gpu_memory_gb=null: no candidate can be made or valid
+        return SearchResult(fitting, considered, valid, 0, time.perf_counter() - start, smallest)
     capacity = cfg.cluster.gpu_memory_gb * 1e9 * (1 - HEADROOM)
     layout_of = _resolver()
     for candidate_cfg in candidate_configs(cfg):

@@ -23,6 +23,9 @@ def _check(section, prefix: str, non_finite: list, outside: list) -> None:
         value = getattr(section, name)
         if dataclasses.is_dataclass(value):
             _check(value, f"{prefix}{name}.", non_finite, outside)
+        elif isinstance(value, dict):  # cluster.stack: a section per key
+            for key, item in value.items():
+                _check(item, f"{prefix}{name}.{key}.", non_finite, outside)
         else:
             _check_value(f"{prefix}{name}", value, f, bounds, non_finite, outside)
 
@@ -30,7 +33,7 @@ def _check(section, prefix: str, non_finite: list, outside: list) -> None:
 def _check_value(path: str, value, f: dataclasses.Field, bounds, non_finite: list, outside: list) -> None:
     if isinstance(value, float) and not math.isfinite(value):
         non_finite.append((path, value, f))
-    if bounds is not None and value is not None and _outside(bounds, value):
+    if bounds is not None and (value is not None or bounds.required) and _outside(bounds, value):
         outside.append((path, value, bounds))
 
 
@@ -73,15 +76,23 @@ def _non_finite(non_finite: list) -> Iterator[Violation]:
 
 
 def _outside(b: Bounds, value) -> bool:
+    if value is None:
+        return b.required
+    if isinstance(value, list):  # each item
+        return any(_outside(b, item) for item in value)
     if b.pattern is not None:
-        return any(not re.fullmatch(b.pattern, item) for item in (value if isinstance(value, list) else [value]))
+        return not re.fullmatch(b.pattern, value)
     if b.choices is not None:
         return value not in b.choices
     if b.above is not None and value <= b.above:
         return True
     if not math.isfinite(value):
         return False
-    return (b.min is not None and value < b.min) or (b.below is not None and value >= b.below)
+    return (
+        (b.min is not None and value < b.min)
+        or (b.max is not None and value > b.max)
+        or (b.below is not None and value >= b.below)
+    )
 
 
 def ranges(cfg: Config) -> Iterator[Violation]:
