@@ -212,34 +212,30 @@ GPU_RUN = ["model=tiny", "data=synthetic", "train.steps=2"]
         ["reproduce", "recipe=gpt2_124m_1xh200", "--layouts", "dp1"],
     ],
 )
-def test_a_gpu_cluster_is_refused_up_front_where_there_is_no_gpu(tmp_path, monkeypatch, capsys, argv):
+def test_a_gpu_cluster_is_refused_up_front_where_there_is_no_gpu(tmp_path, argv):
     """Every command that trains here refuses a GPU cluster on a machine without GPUs (this one) naming
     the cluster and the fix, before it writes or starts anything."""
-    from toolkit.cli import main
-
-    monkeypatch.chdir(tmp_path)
-    assert main([*argv, *GPU_RUN, "hydra.run.dir=out", "hydra.sweep.dir=sweep"]) == 2
-    err = capsys.readouterr().err
-    assert "[device]" in err and "no CUDA GPU" in err and "cluster=cpu" in err
+    done = parakit(*argv, *GPU_RUN, "hydra.run.dir=out", "hydra.sweep.dir=sweep", cwd=tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    err = done.stderr
+    assert "[device]" in err and "no CUDA GPU" in err and "cluster=cpu" in err and "Traceback" not in err
     assert re.search(r"cluster='(1xh200|8xh100)'", err)
     assert not (tmp_path / "out" / "config.yaml").exists() and not list(tmp_path.rglob("sweep.json"))
 
 
-def test_a_gpu_cluster_needs_its_gpus_per_node_and_a_dry_run_needs_none(tmp_path, monkeypatch, capsys):
-    """One GPU here (torch.cuda patched) and 8 ranks per node asked: refused with the count; a dry
-    run (writes files, starts nothing) is planning and goes ahead."""
-    import torch
+def test_a_gpu_cluster_needs_its_gpus_per_node_and_a_dry_run_needs_none(tmp_path, compose):
+    """One GPU on the machine that trains and 8 ranks per node asked: refused with the count and the
+    fixes; a dry run (writes files, starts nothing) is planning and goes ahead without a GPU."""
+    from toolkit.plan.validate import validate
 
-    from toolkit.cli import main
-
-    monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
-    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert main(["train", "cluster=8xh100", *GPU_RUN, "hydra.run.dir=out"]) == 2
-    err = capsys.readouterr().err
-    assert "cluster.gpus_per_node=8" in err and "this machine has 1 CUDA GPU." in err
-    assert "cluster.gpus_per_node=1)" in err  # the fix that trains here
-    assert main(["train", "cluster=8xh100", *GPU_RUN, "--dry-run", "hydra.run.dir=dry"]) == 0
+    cfg = compose("cluster=8xh100", *GPU_RUN[:2])
+    refused = [v for v in validate(cfg, gpus=1).errors if v.rule == "device"]
+    assert len(refused) == 1 and refused[0].fields == {"cluster": "8xh100", "cluster.gpus_per_node": 8}
+    assert "this machine has 1 CUDA GPU" in refused[0].message and "cluster.gpus_per_node=1)" in refused[0].fix
+    assert not [v for v in validate(cfg, gpus=8).errors if v.rule == "device"]
+    assert not [v for v in validate(cfg).errors if v.rule == "device"]  # planning elsewhere: no machine
+    dry = parakit("train", "cluster=8xh100", *GPU_RUN, "--dry-run", "hydra.run.dir=dry", cwd=tmp_path)
+    assert dry.returncode == 0, dry.stderr
     assert (tmp_path / "dry" / "launch.sh").exists()
 
 
