@@ -463,3 +463,37 @@ def test_a_team_file_is_checked_field_by_field_and_named(tmp_path, monkeypatch, 
         assert main(["validate", *team]) == 1
         err = capsys.readouterr().err
         assert f"{bad}: {problem}" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize(
+    "argv,problem",
+    [
+        (["generate", "hydra.run.dir=afile"], "afile is a file, not a folder"),
+        (["train", "hydra.run.dir=afile/run"], "afile is a file, not a folder"),
+        (["sweep", "parallel.tp=1", "hydra.sweep.dir=afile"], "afile is a file, not a folder"),
+        (["probe", "-o", "afile"], "afile is a file, not a folder"),
+        (["calibrate", "sweep", "-o", "afile/x"], "afile is a file, not a folder"),
+        (["report", "sweep", "-o", "afile"], "afile is a file, not a folder"),
+        (["data", "prepare", "a.jsonl", "--output", "afile/prefix"], "afile is a file, not a folder"),
+        (["data", "prepare", "a.jsonl", "--output", "full"], "full.bin is a folder, not a file"),
+        (["export", "run", "-o", "full"], "full already exists"),
+        (["convert", "hf-to-megatron", "hf", "--output", "full"], "full already exists"),
+        (["convert", "hf-to-megatron", "hf", "--output", "afile"], "afile already exists"),
+    ],
+)
+def test_every_output_path_is_checked_before_work_starts(tmp_path, monkeypatch, capsys, argv, problem):
+    """An output path with a file in the way, or a folder where a new one is published whole, is
+    refused naming the option and the path, exit 1, nothing written."""
+    from toolkit.cli import main
+
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "afile").write_text("mine")
+    (tmp_path / "full").mkdir()
+    (tmp_path / "full" / "kept").write_text("mine")
+    (tmp_path / "full.bin").mkdir()
+    before = sorted(tmp_path.rglob("*"))
+    assert main(argv) == 1
+    err = capsys.readouterr().err
+    assert problem in err and "Traceback" not in err
+    assert err.startswith(f"parakit {' '.join(argv[:2]) if argv[0] in ('data', 'convert') else argv[0]}: ")
+    assert sorted(tmp_path.rglob("*")) == before

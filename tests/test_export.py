@@ -15,7 +15,8 @@ from toolkit import cli
 from toolkit.config.schema import Config
 from toolkit.families.hf_config import hf_config
 from toolkit.families.to_hf import megatron_layer_to_hf
-from toolkit.interop.hf_dir import ShardWriter, parse_size, staged_directory
+from toolkit.formats.atomic import staged_directory
+from toolkit.interop.hf_dir import ShardWriter, parse_size
 from toolkit.train import checkpoint as ckpt
 
 GPT2_TINY = [

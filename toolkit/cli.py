@@ -42,6 +42,9 @@ class Option:
 
     flags: tuple[str, ...]
     kwargs: dict
+    # What the option names that the command writes, checked before any work (toolkit.formats.output_paths):
+    # "folder" (written into), "new_folder" (published whole: must not exist), "prefix" (PREFIX.bin, ...).
+    writes: str | None = None
 
 
 @dataclass(frozen=True)
@@ -477,7 +480,9 @@ COMMANDS = {
             hydra=False,
             options=(
                 Option(("inputs",), dict(nargs="+", metavar="INPUT", help="input files (.jsonl, .txt, .parquet)")),
-                Option(("--output",), dict(required=True, metavar="PREFIX", help="writes PREFIX.bin, .idx, ...")),
+                Option(
+                    ("--output",), dict(required=True, metavar="PREFIX", help="writes PREFIX.bin, .idx, ..."), "prefix"
+                ),
                 Option(
                     ("--tokenizer",),
                     dict(default="gpt2", metavar="DIR", help="a Hugging Face tokenizer directory, or gpt2 (bundled)"),
@@ -504,7 +509,11 @@ COMMANDS = {
             hydra=False,
             options=(
                 Option(("path",), dict(metavar="RUN_DIR_OR_CHECKPOINT", help="a run, its checkpoints/, a step")),
-                Option(("--output", "-o"), dict(required=True, metavar="HF_DIR", help="written whole; must not exist")),
+                Option(
+                    ("--output", "-o"),
+                    dict(required=True, metavar="HF_DIR", help="written whole; must not exist"),
+                    "new_folder",
+                ),
                 Option(("--step",), dict(type=_positive_int, metavar="N", help="default: the newest intact one")),
                 Option(("--config",), dict(metavar="FILE", help="the run's config.yaml (default: found beside PATH)")),
                 Option(("--tokenizer",), dict(metavar="DIR", help="tokenizer to ship (default: the training data's)")),
@@ -539,7 +548,9 @@ COMMANDS = {
             hydra=False,
             options=(
                 Option(("--force",), dict(action="store_true", help="measure again even if this machine is cached")),
-                Option(("--output", "-o"), dict(default="probe", metavar="CONFIG_DIR", help="default: ./probe")),
+                Option(
+                    ("--output", "-o"), dict(default="probe", metavar="CONFIG_DIR", help="default: ./probe"), "folder"
+                ),
                 Option(
                     ("--name",), dict(default="this_machine", type=_name, metavar="NAME", help="default: this_machine")
                 ),
@@ -554,7 +565,7 @@ COMMANDS = {
             hydra=False,
             options=(
                 Option(("sweep_dir",), dict(metavar="SWEEP_DIR", help="a `parakit sweep` directory (sweep.json)")),
-                Option(("--output", "-o"), dict(metavar="CONFIG_DIR", help="default: SWEEP_DIR/calibrated")),
+                Option(("--output", "-o"), dict(metavar="CONFIG_DIR", help="default: SWEEP_DIR/calibrated"), "folder"),
                 Option(("--name",), dict(type=_name, metavar="NAME", help="default: CLUSTER_calibrated")),
             ),
         ),
@@ -587,7 +598,11 @@ COMMANDS = {
             hydra=False,
             options=(
                 Option(("dir",), dict(metavar="DIR", help="a sweep or scaling directory (sweep.json) or a run")),
-                Option(("--output", "-o"), dict(metavar="OUT", help="where the report goes (default: DIR/report)")),
+                Option(
+                    ("--output", "-o"),
+                    dict(metavar="OUT", help="where the report goes (default: DIR/report)"),
+                    "folder",
+                ),
             ),
         ),
         Command(
@@ -651,7 +666,13 @@ COMMANDS = {
             _convert,
             options=(
                 Option(("hf_dir",), dict(metavar="HF_DIR", help="a local Hugging Face model directory")),
-                Option(("--output",), dict(required=True, metavar="DIR", help="where the checkpoint goes")),
+                Option(
+                    ("--output",),
+                    dict(
+                        required=True, metavar="DIR", help="where the checkpoint goes (written whole; must not exist)"
+                    ),
+                    "new_folder",
+                ),
             ),
             compose_with=lambda o: ["model=hf", f"model.hf_path={Path(o.hf_dir).resolve()}"],
         ),
@@ -721,6 +742,30 @@ def _group_help(argv: list[str]) -> int:
     problem = f"unknown subcommand {argv[1]!r}" if argv[1:] else "a subcommand is needed"
     print(f"parakit {argv[0]}: {problem}\n\n" + "\n".join(lines), file=sys.stderr)
     return 2
+
+
+def _output_problems(command: Command, opts: argparse.Namespace, overrides: list[str]) -> list[str]:
+    """What the command would write that cannot be written: its output options, and the run or
+    sweep folder an override gives Hydra (one without interpolations: Hydra resolves those)."""
+    from toolkit.formats.output_paths import file_problem, folder_problem
+
+    problems = []
+    for option in command.options:
+        value = getattr(opts, option.flags[0].lstrip("-").replace("-", "_"), None)
+        if option.writes and value is not None:
+            check = {
+                "folder": lambda v: folder_problem(v),
+                "new_folder": lambda v: folder_problem(v, new=True),
+                "prefix": lambda v: file_problem(f"{v}.bin"),
+            }[option.writes]
+            if problem := check(value):
+                problems.append(f"{option.flags[0]} {value}: {problem}")
+    for override in overrides:
+        key, _, value = override.partition("=")
+        if key in ("hydra.run.dir", "hydra.sweep.dir") and value and "${" not in value:
+            if problem := folder_problem(value.strip("'\"")):
+                problems.append(f"{key}={value}: {problem}")
+    return problems
 
 
 def _version() -> str:
@@ -812,12 +857,19 @@ def main(argv: list[str] | None = None) -> int:
             if asks_help:
                 print(parser.format_help().rstrip())
                 return 0
-            return command.handler(None, parser.parse_args(argv[words:]))
+            opts = parser.parse_args(argv[words:])
+            if problems := _output_problems(command, opts, []):
+                print("\n".join(f"parakit {command.name}: {p}" for p in problems), file=sys.stderr)
+                return 1
+            return command.handler(None, opts)
         if asks_help:  # before parsing: a required positional (convert's HF_DIR) must not turn --help into exit 2
             config_dirs = _parser(Command(command.name, "", None)).parse_known_args(argv[words:])[0].config_dir
             print(_help(parser, search_path(config_dirs)))
             return 0
         opts, rest = parser.parse_known_args(argv[words:])
+        if problems := _output_problems(command, opts, rest):
+            print("\n".join(f"parakit {command.name}: {p}" for p in problems), file=sys.stderr)
+            return 1
         return _run_hydra_app(command, opts, rest)
     except (SearchPathError, UnknownOptionError) as e:
         print(f"parakit {command.name}: {e}", file=sys.stderr)

@@ -201,7 +201,8 @@ def export(checkpoint: Checkpoint, output: Path, tokenizer=None, max_shard_bytes
 
     from toolkit.families import family_of
     from toolkit.families.hf_config import hf_config
-    from toolkit.interop.hf_dir import ShardWriter, staged_directory
+    from toolkit.formats.atomic import staged_directory
+    from toolkit.interop.hf_dir import ShardWriter
 
     config = hf_config(checkpoint.cfg.model)
     config.architectures = [MODEL_FOR_CAUSAL_LM_MAPPING[type(config)].__name__]

@@ -9,14 +9,14 @@ model-00001-of-0000N.safetensors with an index mapping every tensor to its file.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import re
-import shutil
 from pathlib import Path
 
 import torch
+
+from toolkit.formats.atomic import fsync_file
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 
@@ -31,14 +31,6 @@ def parse_size(text: str) -> int:
     if not found or found[2].upper() not in _UNITS or float(found[1]) <= 0:
         raise ValueError(f"{text!r} is not a size: use e.g. 5GB, 500MB or 2GiB")
     return int(float(found[1]) * _UNITS[found[2].upper()])
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class ShardWriter:
@@ -67,7 +59,7 @@ class ShardWriter:
         path = self.directory / f".shard-{len(self.shards):05d}.safetensors"
         save_file(self.pending, str(path), metadata={"format": "pt"})
         os.chmod(path, 0o666 & ~_UMASK)  # safetensors creates it owner-only; the other files follow the umask
-        _fsync(path)
+        fsync_file(path)
         self.shards.append(list(self.pending))
         self.total_bytes += self.pending_bytes
         self.pending, self.pending_bytes = {}, 0
@@ -94,25 +86,3 @@ class ShardWriter:
             path.write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
             files.append(path)
         return files
-
-
-@contextlib.contextmanager
-def staged_directory(output: Path):
-    """A fresh hidden directory beside `output` to write into; renamed to `output` when the block
-    ends normally, removed when it raises. A killed process leaves only `.NAME.partial-PID`,
-    which looks like nothing finished."""
-    if output.exists():
-        raise FileExistsError(f"{output} already exists: choose another --output or remove it first")
-    output.parent.mkdir(parents=True, exist_ok=True)
-    staging = output.with_name(f".{output.name}.partial-{os.getpid()}")
-    shutil.rmtree(staging, ignore_errors=True)
-    staging.mkdir()
-    try:
-        yield staging
-        for path in staging.iterdir():  # the rename publishes the files: they must be on disk first
-            if path.is_file():
-                _fsync(path)
-        os.rename(staging, output)  # fails rather than merge into an `output` made meanwhile
-    except BaseException:
-        shutil.rmtree(staging, ignore_errors=True)
-        raise

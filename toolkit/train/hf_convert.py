@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from toolkit.config.schema import Config
+from toolkit.formats.atomic import staged_directory
 from toolkit.train import mcore_cpu
 
 
@@ -75,8 +76,8 @@ def convert_hf_to_megatron(cfg: Config, output: str | Path) -> dict:
     try:
         (chunk,) = build_model_chunks(megatron_sections(cfg, resolve(cfg)))
         load_hf_into_chunks([chunk], cfg.model.hf_path, cfg.model)
-        Path(output).mkdir(parents=True, exist_ok=True)
-        dist_checkpointing.save({"chunk0": chunk.sharded_state_dict()}, str(output))
+        with staged_directory(Path(output)) as staging:  # a failure leaves no checkpoint that looks whole
+            dist_checkpointing.save({"chunk0": chunk.sharded_state_dict()}, str(staging))
         params = list(chunk.parameters())
         return {
             "parameters": sum(p.numel() for p in params),
