@@ -73,6 +73,38 @@ def test_reference_run_updates_every_parameter_from_the_first_step(reference):
     assert all(r["lr"] > 0 and r["grad_norm"] > 0 for r in run.records)
 
 
+def test_an_incomplete_initial_checkpoint_is_named_before_any_rank_starts(tmp_path, reference):
+    """A truncated or missing shard, or an unreadable .metadata, in train.init_checkpoint: `parakit
+    train` refuses it naming the file (sizes from the checkpoint's own metadata), exit 1, no rank."""
+    import shutil
+
+    from toolkit.train.checkpoint import dist_checkpoint_problem
+
+    _, init = reference
+    assert dist_checkpoint_problem(init) is None
+    copy = tmp_path / "init"
+    shutil.copytree(init, copy)
+    shard = max(copy.glob("*.distcp"), key=lambda p: p.stat().st_size)
+    size = shard.stat().st_size
+    with open(shard, "r+b") as f:
+        f.truncate(size // 2)
+    assert dist_checkpoint_problem(copy) == f"{shard.name} is truncated ({size // 2:,} of {size:,} bytes)"
+    done = subprocess.run(
+        [sys.executable, "-m", "toolkit.cli", "train", *COMMON, f"train.init_checkpoint={copy}", "hydra.run.dir=run"],
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert f"train.init_checkpoint={copy}: {shard.name} is truncated" in done.stderr
+    assert "Traceback" not in done.stderr and "starting" not in done.stdout
+    shard.unlink()
+    assert dist_checkpoint_problem(copy) == f"{shard.name} is missing"
+    (copy / ".metadata").write_bytes(b"\x80\x04not a pickle")
+    assert dist_checkpoint_problem(copy).startswith("its .metadata cannot be read")
+
+
 LAYOUTS = {
     "tp2_sequence_parallel_selective_recompute": [
         "cluster.gpus_per_node=2",

@@ -34,7 +34,7 @@ def hf_config(m: ModelConfig):
 def model_fields(path: str | os.PathLike | None) -> dict:
     """The ModelConfig fields of the model in `path` (toolkit.config.schema.ModelConfig names)."""
     c = read_config(path)
-    family = FAMILIES.get(c.get("model_type"))
+    family = FAMILIES.get(c.get("model_type")) if isinstance(c.get("model_type"), str) else None
     if family is None:
         raise HfConfigError(
             f"model.hf_path={path}: model_type {c.get('model_type')!r} is not supported (supported: "
@@ -44,6 +44,10 @@ def model_fields(path: str | os.PathLike | None) -> dict:
         fields = family.fields(c, path)
     except KeyError as e:
         raise HfConfigError(f"model.hf_path={path}: config.json has no {e.args[0]!r}; {HF_PATH_FIX}") from None
+    except (TypeError, ValueError, ArithmeticError) as e:  # a value of another type ("64", null, a list)
+        raise HfConfigError(f"model.hf_path={path}: config.json's values do not make a model ({e}); {HF_PATH_FIX}")
+    if wrong := _wrong_types(fields):
+        raise HfConfigError(f"model.hf_path={path}: config.json gives {wrong}; {HF_PATH_FIX}")
     positions = fields["max_position_embeddings"]
     # the family's QK norm; model.moe's fields the config gives (none for a dense family) over the schema's defaults
     fields = {**fields, "qk_layernorm": family.qk_layernorm, "moe": {**plain(MoeConfig()), **fields.get("moe", {})}}
@@ -56,6 +60,26 @@ def model_fields(path: str | os.PathLike | None) -> dict:
         "seq_length": min(positions, DEFAULT_SEQ_LENGTH),
         **fields,
     }
+
+
+def _wrong_types(fields: dict) -> str:
+    """The fields config.json gave a value of another type than ModelConfig's (a string for a
+    size, a float for a count), as "model.hidden_size='64' (an integer)"; "" when none."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(ModelConfig)
+    wrong = []
+    for f in dataclasses.fields(ModelConfig):
+        if f.name not in fields:
+            continue
+        value, kind = fields[f.name], hints[f.name]
+        optional = type(None) in typing.get_args(kind)
+        number = {int: "an integer", float: "a number"}.get(next((a for a in typing.get_args(kind) or (kind,)), None))
+        ok = isinstance(value, (int, float) if number == "a number" else int) and not isinstance(value, bool)
+        if number and not ok and not (value is None and optional):
+            wrong.append(f"model.{f.name}={value!r} ({number})")
+    return ", ".join(wrong)
 
 
 def field(name: str, path) -> object:

@@ -80,9 +80,14 @@ def read_config(path: str | os.PathLike | None) -> dict:
 @lru_cache(maxsize=16)
 def _read(file: str, mtime_ns: int, size: int) -> dict:  # mtime and size: re-read a changed file
     try:
-        return json.loads(Path(file).read_text())
-    except (OSError, json.JSONDecodeError) as e:
+        content = json.loads(Path(file).read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
         raise HfConfigError(f"model.hf_path: {file} is not readable JSON ({e}); {HF_PATH_FIX}") from None
+    if not isinstance(content, dict):
+        raise HfConfigError(
+            f"model.hf_path: {file} holds a JSON {type(content).__name__}, not an object; {HF_PATH_FIX}"
+        )
+    return content
 
 
 # config.json's llama3 rope_scaling keys -> parakit's model.rope_scaling fields (RopeScalingConfig).

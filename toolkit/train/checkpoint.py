@@ -40,6 +40,30 @@ class ResumeError(RuntimeError):
     """A checkpoint that this run cannot resume from as configured: what and the fix."""
 
 
+def dist_checkpoint_problem(path: str | Path) -> str | None:
+    """Why the megatron-core dist checkpoint (torch_dist) in `path` is incomplete, or None: its
+    .metadata must read, and every file it lists must hold the byte ranges it lists
+    (torch.distributed.checkpoint's FileSystemReader storage_data: relative path, offset, length).
+    Reads sizes only, before any rank opens the files (a truncated file is otherwise an EOFError
+    on one rank)."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    try:
+        metadata = FileSystemReader(str(path)).read_metadata()
+    except Exception as e:  # missing, truncated or not a pickle: whatever torch raises
+        return f"its .metadata cannot be read ({type(e).__name__}: {e})"
+    needed: dict[str, int] = {}
+    for info in (metadata.storage_data or {}).values():
+        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    for name, size in sorted(needed.items()):
+        file = Path(path) / name
+        if not file.is_file():
+            return f"{name} is missing"
+        if file.stat().st_size < size:
+            return f"{name} is truncated ({file.stat().st_size:,} of {size:,} bytes)"
+    return None
+
+
 @dataclass
 class Resume:
     """Where a run starts: step 0, or the checkpoint it resumed from; and the newer checkpoints

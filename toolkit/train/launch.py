@@ -32,6 +32,13 @@ def train_here(cfg: Config, layout: Layout, run_dir: Path, detach: bool = False)
     graceful = _save_and_stop(run_dir) if cfg.train.fault.save_on_stop else None
     if "LOCAL_RANK" in os.environ:  # a rank under torchrun: torchrun stops it
         return _train_in_this_process(cfg, run_dir)
+    from toolkit.train.checkpoint import ResumeError, dist_checkpoint_problem
+
+    if cfg.train.init_checkpoint and (problem := dist_checkpoint_problem(cfg.train.init_checkpoint)):
+        raise ResumeError(
+            f"train.init_checkpoint={cfg.train.init_checkpoint}: {problem}; write it again "
+            "(train.save_init_checkpoint, or parakit convert hf-to-megatron)"
+        )
     if backend_of(cfg).name == "megatron":
         from toolkit.train.megatron_reshard import convert_for_layout
 
