@@ -497,3 +497,24 @@ def test_every_output_path_is_checked_before_work_starts(tmp_path, monkeypatch, 
     assert problem in err and "Traceback" not in err
     assert err.startswith(f"parakit {' '.join(argv[:2]) if argv[0] in ('data', 'convert') else argv[0]}: ")
     assert sorted(tmp_path.rglob("*")) == before
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["calibrate", "record"],
+        ["sweep", "parallel.tp=1", "hydra.sweep.dir=record"],
+        ["scale", "--sweep-dir", "record"],
+        ["plan", "--measure", "1", "--sweep-dir", "record"],
+    ],
+)
+def test_a_damaged_sweep_record_is_named_before_any_point_trains(tmp_path, argv):
+    """sweep.json cut short or of another shape: each command that reads or adds to it names the file
+    and the way out, exit 1, and trains nothing."""
+    (tmp_path / "record").mkdir()
+    for text, problem in (('{"points": [', "cannot be read as JSON"), ("[1, 2]", "is not a sweep's record")):
+        (tmp_path / "record" / "sweep.json").write_text(text)
+        done = parakit(*argv, cwd=tmp_path)
+        assert done.returncode == 1, done.stdout + done.stderr
+        assert f"record/sweep.json {problem}" in done.stderr and "Traceback" not in done.stderr
+        assert sorted(p.name for p in (tmp_path / "record").iterdir()) == ["sweep.json"]

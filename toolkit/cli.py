@@ -166,6 +166,19 @@ def _refused_without_gpus(command: str, cfg) -> bool:
     return bool(refusals)
 
 
+def _damaged_record(command: str, sweep_dir: Path) -> bool:
+    """Before a sweep, scaling run or measurement adds points: True (and says why) when the folder's
+    sweep.json is not a sweep's record."""
+    from toolkit.report.sweep import SweepRecordError, read_rows
+
+    try:
+        read_rows(sweep_dir)
+    except SweepRecordError as e:
+        print(f"parakit {command}: {e}", file=sys.stderr)
+        return True
+    return False
+
+
 def _validate(cfg, opts) -> int:
     layout, report = _checked_layout("validate", cfg)
     if layout is None:
@@ -290,6 +303,8 @@ def _sweep(cfg, opts) -> int:
     hc = HydraConfig.get()
     if _refused_without_gpus("sweep", cfg):  # every point would fail the same way: nothing recorded
         return 2
+    if _damaged_record("sweep", Path(hc.sweep.dir)):
+        return 1
     if opts.from_plan:
         from toolkit.report.measure import measure_top, measured_table
 
@@ -419,6 +434,8 @@ def _plan(cfg, opts) -> int:
         return code
     folder = f"{as_name(cfg.model.name)}-{as_name(cfg.cluster.name)}-{world_size(cfg)}"
     sweep_dir = Path(opts.sweep_dir or f"plan-measure/{folder}")
+    if _damaged_record("plan --measure", sweep_dir):
+        return 1
     print(f"\nmeasuring the top {opts.measure} in {sweep_dir} (a short profiling run each):", flush=True)
     sweep = SweepOptions(opts.warmup_steps, opts.timeout)
     measured = measure_top(cfg, opts.measure, list(HydraConfig.get().overrides.task), sweep_dir, sweep)
@@ -797,6 +814,9 @@ def _run_hydra_app(command: Command, opts: argparse.Namespace, args: list[str]) 
         if problem := launcher_problem(args):
             print(f"parakit {command.name}: {problem}", file=sys.stderr)
             return 1
+        given = [o.partition("=")[2].strip("'\"") for o in args if o.startswith("hydra.sweep.dir=")]
+        if given and "${" not in given[-1] and _damaged_record(command.name, Path(given[-1])):
+            return 1  # before Hydra writes its multirun.yaml and the points' folders there
 
         opts.sweep = SweepOptions(opts.warmup_steps, opts.timeout, grid_size(args), time.time())
         opts.sweep_done = 0

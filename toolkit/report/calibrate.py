@@ -12,19 +12,28 @@ from toolkit.config.store import load_run_config
 from toolkit.formats.atomic import write_atomic
 from toolkit.plan.calibrate import Calibration, CalibrationError, Point, calibrate, cluster_yaml
 from toolkit.plan.layout import resolve
-from toolkit.report.sweep import read_rows
+from toolkit.report.sweep import SweepRecordError, read_rows
 
 
 def load_points(sweep_dir: Path) -> list[Point]:
     """The sweep's measured points (status ok), each with the configuration it trained."""
-    rows = read_rows(sweep_dir)
+    try:
+        rows = read_rows(sweep_dir)
+    except SweepRecordError as e:
+        raise CalibrationError(str(e)) from None
     if not rows:
         raise CalibrationError(f"{sweep_dir}: no sweep.json; run `parakit sweep ... hydra.sweep.dir={sweep_dir}` first")
     points = []
     for row in rows:
         if row.get("status") != "ok" or not row.get("step_time_s"):
             continue
-        cfg = load_run_config(Path(row["run_dir"]))
+        try:
+            cfg = load_run_config(Path(row["run_dir"]))
+        except Exception as e:  # moved, deleted or damaged: name the point, not a traceback
+            raise CalibrationError(
+                f"{sweep_dir}: point {row['point']}: its run {row.get('run_dir')} cannot be read "
+                f"({type(e).__name__}: {e}); run the point again or remove its row"
+            ) from None
         points.append(Point(row["point"], cfg, resolve(cfg), float(row["step_time_s"])))
     clusters = {p.cfg.cluster.name for p in points}
     if len(clusters) > 1:

@@ -16,7 +16,15 @@ from pathlib import Path
 from toolkit.config.schema import Config, as_name
 from toolkit.plan.doublings import doublings, first_below, verdict
 from toolkit.plan.scaling import node_shape, sizes
-from toolkit.report.sweep import SweepOptions, describe_sweep, point_dir, progress_line, read_rows, run_point
+from toolkit.report.sweep import (
+    SweepOptions,
+    SweepRecordError,
+    describe_sweep,
+    point_dir,
+    progress_line,
+    read_rows,
+    run_point,
+)
 
 # ep: the added ranks are data-parallel replicas of the attention that the experts spread over
 # (expert parallel folds into them: megatron-core's etp x ep x edp = tp x cp x dp)
@@ -129,9 +137,10 @@ def scale_command(cfg: Config, opts, user_overrides: list[str]) -> int:
         ranks = parse_range(opts.ranks)
         sweep_dir = Path(opts.sweep_dir or f"scale/{as_name(cfg.model.name)}-{opts.dim}-{opts.mode}")
         sweep = SweepOptions(opts.warmup_steps, opts.timeout)
+        read_rows(sweep_dir)  # a damaged record is named before any point trains
         print(f"{opts.mode} scaling of {opts.dim} over {opts.ranks} ranks in {sweep_dir}:", flush=True)
         run_scale(cfg, user_overrides, opts.dim, opts.mode, ranks, opts.threshold, sweep_dir, sweep)
-    except ScaleError as e:
+    except (ScaleError, SweepRecordError) as e:
         print(f"parakit scale: {e}", file=sys.stderr)
         return 1
     print(scaling_table(read_rows(sweep_dir), opts.threshold))

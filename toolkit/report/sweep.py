@@ -242,9 +242,25 @@ def _locked(sweep_dir: Path):
             fcntl.flock(lock, fcntl.LOCK_UN)
 
 
+class SweepRecordError(ValueError):
+    """A sweep.json that is not a sweep's record: the file and what is wrong with it."""
+
+
 def _read(sweep_dir: Path) -> dict:
-    path = sweep_dir / "sweep.json"
-    return json.loads(path.read_text()) if path.exists() else {"points": []}
+    path = Path(sweep_dir) / "sweep.json"
+    if not path.exists():
+        return {"points": []}
+    try:
+        document = json.loads(path.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise SweepRecordError(f"{path} cannot be read as JSON ({e}); move it away to start the sweep again") from None
+    points = document.get("points") if isinstance(document, dict) else None
+    if not isinstance(points, list) or not all(isinstance(r, dict) and "point" in r for r in points):
+        raise SweepRecordError(
+            f"{path} is not a sweep's record (an object whose points are rows with a point each); "
+            "move it away to start the sweep again"
+        )
+    return document
 
 
 def read_rows(sweep_dir: Path) -> list[dict]:
