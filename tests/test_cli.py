@@ -518,3 +518,13 @@ def test_a_damaged_sweep_record_is_named_before_any_point_trains(tmp_path, argv)
         assert done.returncode == 1, done.stdout + done.stderr
         assert f"record/sweep.json {problem}" in done.stderr and "Traceback" not in done.stderr
         assert sorted(p.name for p in (tmp_path / "record").iterdir()) == ["sweep.json"]
+
+
+@pytest.mark.parametrize(
+    "argv", [["sweep", "hydra.sweep.dir=s"], ["scale", "--sweep-dir", "s"], ["plan", "--measure", "1"]]
+)
+def test_a_warm_up_that_leaves_no_timed_step_is_refused(tmp_path, argv):
+    done = parakit(*argv, "--warmup-steps", "5", "train.steps=2", "data=synthetic", cwd=tmp_path)
+    assert done.returncode == 1, done.stdout + done.stderr
+    assert "--warmup-steps 5 leaves no timed step in a run of 2 step(s)" in done.stderr
+    assert not list(tmp_path.rglob("sweep.json")) and not list(tmp_path.rglob("metrics.jsonl"))

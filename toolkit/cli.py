@@ -166,6 +166,21 @@ def _refused_without_gpus(command: str, cfg) -> bool:
     return bool(refusals)
 
 
+def _no_timed_steps(command: str, cfg, warmup_steps: int) -> bool:
+    """True (and says why) when a profiling run's warm-up would leave no step to time."""
+    from toolkit.plan.layout import resolve
+
+    steps = min(s for s in (resolve(cfg).steps, cfg.train.stop_after_steps) if s)
+    if warmup_steps < steps:
+        return False
+    print(
+        f"parakit {command}: --warmup-steps {warmup_steps} leaves no timed step in a run of {steps} step(s): "
+        f"give --warmup-steps below {steps}, or train.steps above {warmup_steps}",
+        file=sys.stderr,
+    )
+    return True
+
+
 def _damaged_record(command: str, sweep_dir: Path) -> bool:
     """Before a sweep, scaling run or measurement adds points: True (and says why) when the folder's
     sweep.json is not a sweep's record."""
@@ -303,7 +318,7 @@ def _sweep(cfg, opts) -> int:
     hc = HydraConfig.get()
     if _refused_without_gpus("sweep", cfg):  # every point would fail the same way: nothing recorded
         return 2
-    if _damaged_record("sweep", Path(hc.sweep.dir)):
+    if _damaged_record("sweep", Path(hc.sweep.dir)) or _no_timed_steps("sweep", cfg, opts.warmup_steps):
         return 1
     if opts.from_plan:
         from toolkit.report.measure import measure_top, measured_table
@@ -388,6 +403,8 @@ def _scale(cfg, opts) -> int:
 
     if _refused_without_gpus("scale", cfg):
         return 2
+    if _no_timed_steps("scale", cfg, opts.warmup_steps):
+        return 1
     return scale_command(cfg, opts, list(HydraConfig.get().overrides.task))
 
 
@@ -434,7 +451,7 @@ def _plan(cfg, opts) -> int:
         return code
     folder = f"{as_name(cfg.model.name)}-{as_name(cfg.cluster.name)}-{world_size(cfg)}"
     sweep_dir = Path(opts.sweep_dir or f"plan-measure/{folder}")
-    if _damaged_record("plan --measure", sweep_dir):
+    if _damaged_record("plan --measure", sweep_dir) or _no_timed_steps("plan --measure", cfg, opts.warmup_steps):
         return 1
     print(f"\nmeasuring the top {opts.measure} in {sweep_dir} (a short profiling run each):", flush=True)
     sweep = SweepOptions(opts.warmup_steps, opts.timeout)
