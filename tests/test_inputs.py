@@ -58,3 +58,23 @@ def test_a_config_json_that_is_not_an_object_is_named(tmp_path):
             assert "config.json holds a JSON" in str(e)
         else:
             raise AssertionError(text)
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(st.data())
+def test_plan_names_any_field_out_of_its_bounds_and_never_raises(compose, capsys, data):
+    """`parakit plan`'s whole path (the search, the configured layout's estimate, the text and the
+    JSON) on a configuration with one field drawn past one of its bounds: the field named with its
+    fix, never an exception; exit 2 unless the search chooses that field itself (parallel.tp=0
+    configured, the search still ranks its own tp)."""
+    from test_rules import BAD, with_value
+
+    from toolkit.plan.report import plan_command
+    from toolkit.plan.search import SEARCHED
+
+    path, bounds, value = data.draw(st.sampled_from(BAD))
+    cfg = with_value(compose("checks.memory=off"), path, value)
+    codes = plan_command(cfg), plan_command(cfg, as_json=True)
+    assert path.startswith(SEARCHED) or codes == (2, 2), (path, value, codes)
+    out = capsys.readouterr().out
+    assert f"{path}=" in out and bounds.fix.format(path=path) in out, (path, value, out[-2000:])

@@ -287,6 +287,24 @@ SBATCH_VALUE = Bounds(
 )
 
 
+# Slurm's partition, account and QOS names (letters, digits, '_', '.', '-'); a partition list is
+# comma-separated (sbatch --partition=a,b).
+SLURM_NAME = r"[A-Za-z0-9_.-]+"
+
+
+def slurm_name(default, several: bool = False):
+    pattern = f"{SLURM_NAME}(,{SLURM_NAME})*" if several else SLURM_NAME
+    return _bounded(
+        default,
+        Bounds(
+            "must be a Slurm name: letters, digits, '_', '.' and '-'" + (", comma-separated" * several),
+            "set {path} to the name `sinfo` or `sacctmgr show` lists",
+            pattern=pattern,
+            rule="slurm_name",
+        ),
+    )
+
+
 def sbatch_value(default):
     return _bounded(default, SBATCH_VALUE)
 
@@ -474,7 +492,7 @@ class ModelConfig:
 
 def head_dim(m: ModelConfig) -> int:
     """The size of one attention head (model.head_dim unset: hidden_size / heads)."""
-    return m.head_dim or m.hidden_size // m.num_attention_heads
+    return m.head_dim or m.hidden_size // max(m.num_attention_heads, 1)  # 0 heads: refused by the range rule
 
 
 def kv_heads(m: ModelConfig) -> int:
@@ -689,9 +707,9 @@ class StackCosts:
 class SlurmConfig:
     """What a multi-node launch.sh asks Slurm for (sbatch's options of the same names)."""
 
-    partition: Optional[str] = sbatch_value(None)  # null: the cluster's default partition
-    account: Optional[str] = sbatch_value(None)
-    qos: Optional[str] = sbatch_value(None)
+    partition: Optional[str] = slurm_name(None, several=True)  # null: the cluster's default partition
+    account: Optional[str] = slurm_name(None)
+    qos: Optional[str] = slurm_name(None)
     # the job's time limit as sbatch takes it (HH:MM:SS, D-HH:MM:SS); null: the partition's
     time: Optional[str] = slurm_time(None)
     constraint: Optional[str] = sbatch_value(None)  # node features (--constraint)
