@@ -528,3 +528,12 @@ def test_a_warm_up_that_leaves_no_timed_step_is_refused(tmp_path, argv):
     assert done.returncode == 1, done.stdout + done.stderr
     assert "--warmup-steps 5 leaves no timed step in a run of 2 step(s)" in done.stderr
     assert not list(tmp_path.rglob("sweep.json")) and not list(tmp_path.rglob("metrics.jsonl"))
+
+
+@pytest.mark.parametrize("field", ["checkpoint.dir", "train.save_init_checkpoint"])
+def test_a_folder_the_run_writes_is_checked_before_it_trains(tmp_path, field):
+    (tmp_path / "afile").write_text("mine")
+    done = parakit("train", f"{field}=afile/ck", "data=synthetic", "train.steps=1", "hydra.run.dir=run", cwd=tmp_path)
+    assert done.returncode == 2, done.stdout + done.stderr
+    assert f"parakit train: {field}=afile/ck: afile is a file, not a folder" in done.stderr
+    assert "step " not in done.stdout and not (tmp_path / "run" / "config.yaml").exists()

@@ -208,6 +208,15 @@ def _write_run_dir(command: str, cfg, starts_ranks: bool = False):
 
     from toolkit.emit.files import write_run_files
 
+    if starts_ranks:  # the folders the run itself writes, checked before it writes anything
+        from toolkit.formats.output_paths import folder_problem
+
+        given = (("checkpoint.dir", cfg.checkpoint.dir), ("train.save_init_checkpoint", cfg.train.save_init_checkpoint))
+        problems = [f"{key}={value}: {problem}" for key, value in given if value and (problem := folder_problem(value))]
+        for problem in problems:
+            print(f"parakit {command}: {problem}", file=sys.stderr)
+        if problems:
+            return None
     layout, _ = _checked_layout(command, cfg, starts_ranks)
     if layout is None:
         return None
