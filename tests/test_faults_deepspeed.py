@@ -15,6 +15,7 @@ from training_runs import (
     records,
 )
 
+from toolkit.config.store import load_run_config
 from toolkit.train import checkpoint as ckpt
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_processes_left_behind")]
@@ -74,6 +75,8 @@ def test_killed_rank_restarts_and_resumes_exactly(tmp_path, uninterrupted):
     (unusable,) = restarted.result["unusable_checkpoints"]
     assert unusable["checkpoint"] == "step_00000002" and "fails its sha256 checksum" in unusable["problem"]
     assert_same_training(uninterrupted["zero3"], restarted, EXACT)
+    newest = ckpt.trainer_state(sorted(restarted.checkpoints.glob("step_*"))[-1])["model"]
+    assert newest == ckpt.model_record(load_run_config(restarted.run_dir)) and newest["backend"] == "deepspeed"
 
 
 def test_nan_loss_skips_the_update(tmp_path):

@@ -27,6 +27,7 @@ from training_runs import (
     records,
 )
 
+from toolkit.config.store import load_run_config
 from toolkit.train import checkpoint as ckpt
 from toolkit.train.faults import corrupt
 
@@ -123,6 +124,8 @@ def test_resume_into_another_layout(tmp_path, uninterrupted):
     assert moved.returncode == 0, moved.stderr[-3000:]
     moved = Trained(moved.run_dir)
     assert moved.result["resumed_step"] == 2  # a new run directory: its records start after the checkpoint
+    saved = ckpt.trainer_state(checkpoints / "step_00000002")["model"]  # converted: still the saving run's record
+    assert saved == ckpt.model_record(load_run_config(moved.run_dir)) and saved["backend"] == "megatron"
     assert_same_training(uninterrupted["pp2"].after(2), moved, ANOTHER_LAYOUT)
 
 

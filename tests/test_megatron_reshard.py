@@ -14,10 +14,10 @@ from toolkit.train.megatron_reshard import _conversion_config, _needs_conversion
 SAVED = {"tp": 1, "pp": 2, "vpp": 1, "cp": 1, "ep": 1, "dp": 1, "world": 2}
 
 
-def saved_checkpoint(root, optimizer_format="dp_reshardable", layout=SAVED):
+def saved_checkpoint(root, optimizer_format="dp_reshardable", layout=SAVED, model=None):
     """A published step-2 checkpoint holding only its trainer state (enough for the decision)."""
     staging = ckpt.prepare(root, 2)
-    state = {"step": 2, "consumed_samples": 16, "scheduler": {}, "layout": layout}
+    state = {"step": 2, "consumed_samples": 16, "scheduler": {}, "layout": layout, "model": model}
     if optimizer_format:
         state["optimizer_format"] = optimizer_format
     (staging / "trainer_state.json").write_text(json.dumps(state))
@@ -63,3 +63,28 @@ def test_several_nodes_are_refused_with_the_fix(tmp_path, compose):
     with pytest.raises(ckpt.ResumeError, match="reshardable=true"):
         convert_for_layout(cfg, resolve(cfg), tmp_path / "run")
     assert not (tmp_path / "run").exists()  # nothing started
+
+
+def test_a_checkpoint_of_another_model_or_backend_is_refused_before_any_rank_starts(tmp_path, compose):
+    """The newest checkpoint records the backend and architecture that saved it: `parakit train` with
+    another model (or backend) under the same checkpoint.dir names what differs, starts nothing."""
+    from toolkit.train.launch import train_here
+
+    saved = compose(*MEGATRON, "cluster.gpus_per_node=1")
+    saved_checkpoint(tmp_path, model=ckpt.model_record(saved))
+    assert ckpt.other_model(saved, tmp_path) is None
+    deeper = compose(*MEGATRON, "cluster.gpus_per_node=1", "model.num_layers=4", f"checkpoint.dir={tmp_path}")
+    problem = ckpt.other_model(deeper, tmp_path)
+    assert problem == f"{tmp_path / 'step_00000002'} holds another model: num_layers 8 saved, 4 configured"
+    deepspeed = compose(*MEGATRON, "cluster.gpus_per_node=1", "backend=deepspeed")
+    assert "backend 'megatron' saved, 'deepspeed' configured" in ckpt.other_model(deepspeed, tmp_path)
+    with pytest.raises(ckpt.ResumeError, match="num_layers 8 saved, 4 configured.*another checkpoint.dir"):
+        train_here(deeper, resolve(deeper), tmp_path / "run")
+    assert not (tmp_path / "run").exists()  # nothing started
+    fresh = compose(*MEGATRON, "cluster.gpus_per_node=1", "model.num_layers=4", "checkpoint.resume=false")
+    assert ckpt.other_model(fresh, tmp_path / "elsewhere") is None
+
+
+def test_a_checkpoint_from_before_the_record_is_left_to_the_load(tmp_path, compose):
+    saved_checkpoint(tmp_path)  # no "model": saved by an earlier parakit
+    assert ckpt.other_model(compose(*MEGATRON, "model.num_layers=4"), tmp_path) is None

@@ -40,6 +40,40 @@ class ResumeError(RuntimeError):
     """A checkpoint that this run cannot resume from as configured: what and the fix."""
 
 
+# The model fields that make a checkpoint's tensors (their shapes and meaning): a checkpoint of
+# another model cannot be resumed, whatever the layout.
+ARCHITECTURE = (
+    "family", "num_layers", "hidden_size", "num_attention_heads", "num_kv_heads", "head_dim", "ffn_hidden_size",
+    "vocab_size", "make_vocab_size_divisible_by", "normalization", "activation", "position_embedding",
+    "tie_embeddings", "add_bias_linear", "add_qkv_bias", "qk_layernorm", "moe",
+)  # fmt: skip
+
+
+def model_record(cfg) -> dict:
+    """What a checkpoint records of the run that saved it: the backend and the model's architecture."""
+    from toolkit.config.schema import plain
+
+    model = plain(cfg.model)
+    return {"backend": str(cfg.backend.name), **{name: model[name] for name in ARCHITECTURE}}
+
+
+def other_model(cfg, root: Path) -> str | None:
+    """(`parakit train`, before any rank starts) How the newest checkpoint under `root` differs from
+    the configured backend and model ("hidden_size 64 saved, 128 configured"), or None: the same,
+    none there, or one saved before checkpoints recorded it (the ranks' load then judges)."""
+    for candidate in _candidates(root):
+        try:
+            saved = trainer_state(candidate).get("model")
+        except (OSError, ValueError):
+            continue  # unreadable: the resume reports it and passes over it
+        if not saved:
+            return None
+        ours = model_record(cfg)
+        changed = [f"{k} {saved.get(k)!r} saved, {v!r} configured" for k, v in ours.items() if saved.get(k) != v]
+        return f"{candidate} holds another model: {'; '.join(changed)}" if changed else None
+    return None
+
+
 def dist_checkpoint_problem(path: str | Path) -> str | None:
     """Why the megatron-core dist checkpoint (torch_dist) in `path` is incomplete, or None: its
     .metadata must read, and every file it lists must hold the byte ranges it lists

@@ -30,11 +30,21 @@ def _layout_record(layout: Layout, zero_stage: int) -> dict:
     return {"pp": layout.pp, "dp": layout.dp, "world": layout.world_size, "zero": zero_stage}
 
 
-def save(engine, root: Path, step: int, layout: Layout, keep_last: int, fault, verify: str = "sha256") -> float:
+def save(
+    engine,
+    root: Path,
+    step: int,
+    layout: Layout,
+    keep_last: int,
+    fault,
+    verify: str = "sha256",
+    saved_by: dict | None = None,
+) -> float:
     state = {
         "step": step,
         "consumed_samples": step * layout.global_batch,
         "layout": _layout_record(layout, engine.zero_optimization_stage()),
+        "model": saved_by,
     }
 
     def write(staging: Path) -> None:  # synchronous: the engine's writes are done when it returns

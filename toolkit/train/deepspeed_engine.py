@@ -20,6 +20,7 @@ import torch.nn.functional as F
 from toolkit.config.schema import Config
 from toolkit.plan.layout import Layout
 from toolkit.plan.lr_schedule import LRSchedule, lr_schedule
+from toolkit.train import checkpoint as ckpt
 from toolkit.train import deepspeed_checkpoint
 from toolkit.train.checkpoint import Resume
 from toolkit.train.distributed import end_process_group
@@ -198,7 +199,8 @@ class EngineSteps:
     def save(self, root: Path, step: int) -> float:
         c = self.cfg.checkpoint
         fault = self.cfg.train.fault
-        return deepspeed_checkpoint.save(self.engine, root, step, self.layout, c.keep_last, fault, c.verify)
+        saved_by = ckpt.model_record(self.cfg)
+        return deepspeed_checkpoint.save(self.engine, root, step, self.layout, c.keep_last, fault, c.verify, saved_by)
 
     def settle_saves(self, blocking: bool) -> None:
         pass  # DeepSpeed's save is synchronous

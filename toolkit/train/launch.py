@@ -32,13 +32,16 @@ def train_here(cfg: Config, layout: Layout, run_dir: Path, detach: bool = False)
     graceful = _save_and_stop(run_dir) if cfg.train.fault.save_on_stop else None
     if "LOCAL_RANK" in os.environ:  # a rank under torchrun: torchrun stops it
         return _train_in_this_process(cfg, run_dir)
-    from toolkit.train.checkpoint import ResumeError, dist_checkpoint_problem
+    from toolkit.train.checkpoint import ResumeError, dist_checkpoint_problem, other_model
+    from toolkit.train.loop import checkpoint_root
 
     if cfg.train.init_checkpoint and (problem := dist_checkpoint_problem(cfg.train.init_checkpoint)):
         raise ResumeError(
             f"train.init_checkpoint={cfg.train.init_checkpoint}: {problem}; write it again "
             "(train.save_init_checkpoint, or parakit convert hf-to-megatron)"
         )
+    if cfg.checkpoint.resume and (problem := other_model(cfg, checkpoint_root(cfg, run_dir))):
+        raise ResumeError(f"{problem}. Fix: give this run another checkpoint.dir, or the saved model's settings")
     if backend_of(cfg).name == "megatron":
         from toolkit.train.megatron_reshard import convert_for_layout
 

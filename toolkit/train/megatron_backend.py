@@ -186,6 +186,7 @@ def save_checkpoint(
     verify: str = "sha256",
     optimizer_format: str = PARALLEL,
     model_parallel: dict | None = None,
+    saved_by: dict | None = None,
 ) -> float:
     """A verified checkpoint of `step`; returns the seconds training was held up. With an
     `async_queue` (megatron-core's AsyncCallsQueue) the shards are written by a forked process
@@ -217,6 +218,7 @@ def save_checkpoint(
         "scheduler": scheduler.state_dict(),
         "layout": {**(model_parallel or {}), "dp": layout.dp, "world": layout.world_size},
         "optimizer_format": optimizer_format,
+        "model": saved_by,
     }
     return ckpt.save_collectively(root, step, keep_last, fault, write, state, _rng_state(), verify)
 
@@ -517,6 +519,7 @@ class MegatronSteps:
             c.verify,
             RESHARDABLE if c.reshardable else PARALLEL,
             model_parallel_layout(self.layout, self.cfg),
+            ckpt.model_record(self.cfg),
         )
 
     def settle_saves(self, blocking: bool) -> None:

@@ -120,5 +120,6 @@ def convert(cfg: Config) -> None:
         verify=cfg.checkpoint.verify,
         optimizer_format=RESHARDABLE,
         model_parallel=model_parallel_layout(layout, cfg),
+        saved_by=state.get("model"),  # as saved
     )
     steps.close()
