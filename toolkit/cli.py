@@ -168,9 +168,12 @@ def _refused_without_gpus(command: str, cfg) -> bool:
 
 def _no_timed_steps(command: str, cfg, warmup_steps: int) -> bool:
     """True (and says why) when a profiling run's warm-up would leave no step to time."""
-    from toolkit.plan.layout import resolve
+    from toolkit.plan.layout import training_steps
 
-    steps = min(s for s in (resolve(cfg).steps, cfg.train.stop_after_steps) if s)
+    try:  # before validation: a configuration the validator refuses is its to report
+        steps = min(s for s in (training_steps(cfg), cfg.train.stop_after_steps) if s)
+    except (ArithmeticError, TypeError, ValueError):
+        return False
     if warmup_steps < steps:
         return False
     print(
