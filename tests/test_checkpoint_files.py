@@ -148,3 +148,22 @@ def test_a_load_that_fails_is_explained_by_the_checksums_or_raised(tmp_path, one
     loads = []
     found, _, unusable = ckpt.load_collectively(root, "sha256", lambda c: loads.append(c.name))
     assert loads == ["step_00000001"] and "shard_1.bin has 10 bytes" in unusable[0]["problem"]
+
+
+def test_a_deepspeed_load_maps_its_files_and_leaves_torch_load_as_it_was():
+    """engine.load_checkpoint's torch.load calls map the files inside the block only (the resume
+    tests in test_faults_deepspeed.py show the mapped load resumes exactly)."""
+    from torch.utils.serialization import config
+
+    from toolkit.train.deepspeed_checkpoint import _mapped_loads
+
+    before = config.load.mmap
+    with _mapped_loads():
+        assert config.load.mmap is True
+    assert config.load.mmap == before
+    try:
+        with _mapped_loads():
+            raise KeyError("a failed load")
+    except KeyError:
+        pass
+    assert config.load.mmap == before
