@@ -447,7 +447,8 @@ def _plan(cfg, opts) -> int:
         if code:
             from toolkit.plan.validate import validate
 
-            print("\n".join(_files_of(validate(cfg, memory=False).errors)), file=sys.stderr)
+            for note in _files_of(validate(cfg, memory=False).errors):
+                print(note, file=sys.stderr)
         return code
     if _refused_without_gpus("plan --measure", cfg):
         return 2
