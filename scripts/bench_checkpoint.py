@@ -9,7 +9,7 @@ the seconds of the write, of the checksums at save and of the verification at re
 the reference in the same invocation, rank 0 checksumming every file alone (what parakit did
 before: one process over the whole checkpoint) with the ratio.
 
-    python scripts/bench_checkpoint.py [--mib 256] [--ranks 1,2,4] [--levels sha256,crc32,size]
+    python scripts/bench_checkpoint.py [--mib 256] [--ranks 1,2,4] [--levels xxh3,sha256,crc32,size]
 
 Page cache: the files were just written, so reads come from memory: these are the hashing costs,
 the floor under what a parallel filesystem adds. Ranks beyond the machine's cores time-share them.
@@ -84,7 +84,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--mib", type=int, default=256, help="MiB each rank writes")
     parser.add_argument("--ranks", default="1,2,4")
-    parser.add_argument("--levels", default="sha256,crc32,size")
+    parser.add_argument("--levels", default="xxh3,sha256,crc32,size")
     args = parser.parse_args()
     print(f"{os.cpu_count()} cores; {args.mib} MiB per rank")
     print(

@@ -168,7 +168,7 @@ def main() -> None:
     args = parser.parse_args()
     cold = not args.warm and drop_page_cache()
     reads = "from the disk (page cache dropped)" if cold else "from the page cache (not dropped: --warm or not root)"
-    print(f"{os.cpu_count()} cores; checkpoint.verify as configured (sha256 unless overridden); reads {reads}")
+    print(f"{os.cpu_count()} cores; checkpoint.verify as configured (xxh3 unless overridden); reads {reads}")
     print(
         f"{'backend':>9} {'ranks':>5} {'GB':>5} {'max rank/share':>14} {'save s':>7} {'raw write s':>11} "
         f"{'raw/save':>8} {'load s':>7} {'raw read s':>10} {'raw/load':>8} {'held/share':>10}"

@@ -8,7 +8,7 @@
 #
 # DeepSpeed is an sdist: it builds here into a pure-python wheel with no ops prebuilt (they are
 # JIT-compiled where they are used; parakit's GPU runs need none of them). antlr4's 4.9.3 is an sdist
-# too. megatron-core and pydantic-core are binary: their cp312 manylinux wheels are downloaded.
+# too. megatron-core, pydantic-core and xxhash are binary: their cp312 manylinux wheels are downloaded.
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 source scripts/setup.sh >/dev/null
@@ -18,7 +18,7 @@ rm -rf "$OUT" && mkdir -p "$OUT"
 version() { python -c "import importlib.metadata as m, sys; print(m.version(sys.argv[1]))" "$1"; }
 
 # Binary wheels for CPython 3.12 on x86-64 Linux (the GPU machine's), whatever this machine runs.
-BINARY=(megatron-core pydantic-core)
+BINARY=(megatron-core pydantic-core xxhash)
 # Pure-python wheels (py3-none-any) on PyPI.
 PURE=(hydra-core omegaconf hjson pydantic annotated-types typing-inspection typing-extensions)
 # Source distributions only: built into wheels here.

@@ -28,7 +28,7 @@ def _published(tmp_path, level: str):
     return ckpt.publish(root, 1, keep_last=1, level=level)
 
 
-@pytest.mark.parametrize("level", ["sha256", "crc32", "size"])
+@pytest.mark.parametrize("level", ["xxh3", "sha256", "crc32", "size"])
 def test_each_level_records_and_checks_what_it_says(tmp_path, level):
     directory = _published(tmp_path, level)
     entries, _ = ckpt.listed_files(directory)
@@ -46,6 +46,32 @@ def test_each_level_records_and_checks_what_it_says(tmp_path, level):
     truncated = "shard_1.bin has 10 bytes, the manifest says 1000"
     assert ckpt.verify(directory, "size") == ckpt.verify(directory, level, names=["shard_1.bin"]) == truncated
     assert ckpt.verify(directory, level, names=["shard_2.bin"]) is None  # a rank's share only
+
+
+def test_a_checkpoint_is_checked_with_the_checksum_its_manifest_recorded(tmp_path):
+    """A checkpoint saved under another checkpoint.verify (an older run's sha256 or crc32) still
+    resumes under the default, checked by what its manifest recorded, and its damage is found."""
+    for recorded in ("sha256", "crc32"):
+        directory = _published(tmp_path / recorded, recorded)
+        assert ckpt.verify(directory) is None
+        corrupt(directory)
+        assert ckpt.verify(directory) == f"shard_0.bin fails its {recorded} checksum"
+
+
+def test_the_checksums_agree_with_their_libraries(tmp_path):
+    """Blocks read into one reused buffer hash like the whole file at once (a block boundary or a
+    stale buffer tail would change the digest)."""
+    import hashlib
+    import zlib
+
+    import xxhash
+
+    path = tmp_path / "blob"
+    data = random.Random(0).randbytes((1 << 22) + 12345)  # a full block and a short one
+    path.write_bytes(data)
+    assert ckpt.CHECKSUMS["xxh3"](path) == xxhash.xxh3_128(data).hexdigest()
+    assert ckpt.CHECKSUMS["sha256"](path) == hashlib.sha256(data).hexdigest()
+    assert ckpt.CHECKSUMS["crc32"](path) == f"{zlib.crc32(data):08x}"
 
 
 def test_a_step_saved_again_keeps_the_checkpoint_it_replaces(tmp_path, capsys):
@@ -127,7 +153,7 @@ def test_checksums_run_while_the_backend_loads_and_a_failure_passes_over_what_it
     assert loads == [("step_00000002", True), ("step_00000001", True)]
     assert verified_during_load and all(verified_during_load)
     assert (found.name, loaded) == ("step_00000001", "model of step_00000001")
-    assert unusable == [{"checkpoint": "step_00000002", "problem": "shard_0.bin fails its sha256 checksum"}]
+    assert unusable == [{"checkpoint": "step_00000002", "problem": "shard_0.bin fails its xxh3 checksum"}]
 
 
 def test_a_load_that_fails_is_explained_by_the_checksums_or_raised(tmp_path, one_rank):

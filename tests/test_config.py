@@ -234,11 +234,15 @@ def test_gpt3_is_175b(compose):
     )  # Brown et al. 2020, Table 2.1
 
 
-def test_vocab_padding_matches_megatron():
-    assert padded_vocab_size(50257, 128, 1) == 50304
-    assert padded_vocab_size(50257, 128, 2) == 50432
-    assert padded_vocab_size(128256, 128, 8) == 129024
-    assert padded_vocab_size(50258, 0, 2) == 50258
+def test_vocab_padding_is_the_models_at_every_tp(compose):
+    """Rounded to make_vocab_size_divisible_by alone (Megatron-LM rounds to it x tp: 50,432 rows
+    at tp=2 against 50,304 at tp=1, another model); the layout and the emitted command carry it."""
+    assert padded_vocab_size(50257, 128) == 50304
+    assert padded_vocab_size(128256, 128) == 128256
+    assert padded_vocab_size(50258, 0) == 50258
+    for tp in (1, 2, 4, 8):
+        cfg = compose("model=gpt2_124m", "cluster=8xh100", f"parallel.tp={tp}")
+        assert resolve(cfg).padded_vocab_size == 50304
 
 
 def test_lr_and_warmup_rescaling_rules():

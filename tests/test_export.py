@@ -177,7 +177,7 @@ def test_errors_name_the_path_and_the_fix(tmp_path, compose, capsys):
         f.write(b"garbage")
     assert "present: [1, 2]" in error(run, "--step", 5)
     message = error(run, "--step", 2)
-    assert str(bad) in message and "fails its sha256 checksum" in message and "--step N (present: [1])" in message
+    assert str(bad) in message and "fails its xxh3 checksum" in message and "--step N (present: [1])" in message
     assert _export(run, "--output", tmp_path / "hf", "--no-tokenizer") == 0  # the newest intact: step 1
     assert "skipped" in capsys.readouterr().err
     assert json.loads((tmp_path / "hf" / "parakit_export.json").read_text())["source"] == str(good)

@@ -73,7 +73,7 @@ def test_killed_rank_restarts_and_resumes_exactly(tmp_path, uninterrupted):
     restarted = Trained(result.run_dir)
     assert restarted.result["restarts"] == 1 and restarted.result["resumed_from"].endswith("step_00000001")
     (unusable,) = restarted.result["unusable_checkpoints"]
-    assert unusable["checkpoint"] == "step_00000002" and "fails its sha256 checksum" in unusable["problem"]
+    assert unusable["checkpoint"] == "step_00000002" and "fails its xxh3 checksum" in unusable["problem"]
     assert_same_training(uninterrupted["zero3"], restarted, EXACT)
     newest = ckpt.trainer_state(sorted(restarted.checkpoints.glob("step_*"))[-1])["model"]
     assert newest == ckpt.model_record(load_run_config(restarted.run_dir)) and newest["backend"] == "deepspeed"

@@ -194,7 +194,7 @@ def corrupt_newest(tmp_path_factory):
 def assert_resumed_before_the_corrupt_checkpoint(run: Trained) -> None:
     assert run.result["resumed_from"] is not None and run.result["resumed_from"].endswith("step_00000002"), run.result
     (unusable,) = run.result["unusable_checkpoints"]
-    assert unusable["checkpoint"] == "step_00000004" and "fails its sha256 checksum" in unusable["problem"]
+    assert unusable["checkpoint"] == "step_00000004" and "fails its xxh3 checksum" in unusable["problem"]
 
 
 def test_corrupt_newest_checkpoint_is_detected_and_the_previous_one_used(tmp_path, uninterrupted, corrupt_newest):
@@ -204,7 +204,7 @@ def test_corrupt_newest_checkpoint_is_detected_and_the_previous_one_used(tmp_pat
     # step 4 saved again: the damaged one is kept beside, not overwritten
     root = again.run_dir / "checkpoints"
     assert ckpt.verify(root / "step_00000004") is None
-    assert "fails its sha256 checksum" in ckpt.verify(root / ".step_00000004.replaced")
+    assert "fails its xxh3 checksum" in ckpt.verify(root / ".step_00000004.replaced")
 
 
 def test_a_run_whose_every_checkpoint_is_damaged_refuses_to_start_over(tmp_path, corrupt_newest):

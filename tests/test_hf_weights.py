@@ -284,8 +284,8 @@ def test_megatron_logits_equal_transformers_at_every_layout(logits, family):
 
 @pytest.mark.slow
 def test_a_converted_checkpoint_loads_at_another_tp_and_pp(logits):
-    """Written at tp=1 (vocabulary padded to 1152), loaded at tp=2 x pp=2 (padded to 1280: megatron-core
-    loads the embedding with allow_shape_mismatch) with tied embeddings."""
+    """Written at tp=1, loaded at tp=2 x pp=2 (the vocabulary padded to 1152 at both: the padding
+    is the model's) with tied embeddings."""
     difference = (logits["got"]["converted"] - logits["expected"]["qwen2"]).abs().max().item()
     assert difference <= TOLERANCE, difference
     assert "train.init_checkpoint=" in logits["convert_stdout"]

@@ -40,7 +40,7 @@ def test_every_conf_model_is_covered():
 )
 def test_stage_params_equal_megatron_gptmodel(compose, model, tp, pp, vpp, first, last):
     cfg = compose(f"model={model}")
-    padded = padded_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by, tp)
+    padded = padded_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by)
     layers = stage_layer_counts(cfg.model.num_layers, pp, vpp, first, last)
     for stage in range(pp):
         real = megatron_rank_params(cfg, tp, pp, vpp, stage, first, last)
@@ -69,7 +69,7 @@ MOE_CASES = [
 )
 def test_moe_stage_params_equal_megatron_gptmodel(compose, model, tp, pp, vpp, ep, etp, overrides):
     cfg = compose(f"model={model}", *overrides)
-    padded = padded_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by, tp)
+    padded = padded_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by)
     planned = all_stage_params(cfg.model, padded, tp, pp, None, vpp, ep, etp or tp)
     for stage in range(pp):
         real = megatron_rank_params(cfg, tp, pp, vpp, stage, ep=ep, etp=etp)
@@ -99,7 +99,7 @@ def test_model_params_equal_transformers_model(compose, model):
 def test_sum_over_shards_is_the_padded_model(compose):
     """Tensor shards add up to the whole model, except the replicated norms and row biases."""
     m = compose("model=gpt2_124m").model
-    padded = padded_vocab_size(m.vocab_size, 128, 1)
+    padded = padded_vocab_size(m.vocab_size, 128)
     whole = stage_params(m, padded, 1, 1, 0).total
     assert whole == model_params(m, padded)
     shards = sum(s.total for s in [stage_params(m, padded, 1, 2, st) for st in range(2)])

@@ -1,8 +1,8 @@
 """The megatron backend trains the layout it was given: every parallel layout reproduces the
 single-process run -- loss, learning rate and gradient norm at every step, and the final
-parameters gathered from its last checkpoint -- in fp32 with dropout off and identical initial
-weights (loaded resharded from one dist checkpoint), with no warmup, so that every step updates
-every parameter (asserted on the reference run). Layouts share their runs with the features that
+parameters gathered from its last checkpoint -- in fp32 with dropout off, from the seed alone (the same model at every layout: the padded vocabulary is the model's, and every
+weight is drawn by its layout-free name), with no warmup, so that every step updates every
+parameter (asserted on the reference run). Layouts share their runs with the features that
 must change nothing either: selective and full recompute, and one micro-batch per step instead of
 eight accumulated. bf16 and the README demo learn on the real corpus; the demo's checkpoint (tp2
 pp2 vpp2) exported to transformers reproduces its loss; a wrong layout never starts a process.
@@ -34,12 +34,13 @@ from training_runs import (
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_processes_left_behind")]
 
-# fp32, synthetic tokens, Adam via the distributed optimizer, a save at the last step to read the
-# parameters from. The vocabulary is pre-padded to a multiple of 128 x 4 so that every tp <= 4
-# pads it identically (Megatron pads to 128 x tp, and padded rows would otherwise differ).
+# fp32, synthetic tokens over GPT-2's 50,257 (padded to 50,304 rows at every tp), Adam via the
+# distributed optimizer, a save at the last step to read the parameters from. On the corpus the
+# losses and parameters agree as closely, but at tp=2 the gradient norm differs from step 1 by
+# 7e-6 (relative), growing to 1.6e-4 at step 4 (measured; with or without the distributed
+# optimizer): some gradient that Adam's scale-invariant update hides differs there, not yet found.
 COMMON = [
     "model=tiny",
-    "model.vocab_size=50688",
     "data=synthetic",
     "precision=fp32",
     "zero=1",
@@ -61,7 +62,7 @@ TOLERANCE = Tolerance(loss=4e-6, grad_norm=1e-4, parameters=1e-6)  # loss: 4 flo
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The single-process run; it also saves the initial weights every layout starts from."""
+    """The single-process run; it also saves its initial weights (for the tests that load them)."""
     tmp = tmp_path_factory.mktemp("reference")
     init = tmp / "init"
     return trained(tmp, "single", *COMMON, "cluster.gpus_per_node=1", f"train.save_init_checkpoint={init}"), init
@@ -130,8 +131,8 @@ LAYOUTS = {
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 def test_layout_reproduces_single_process_training(tmp_path, reference, layout):
-    run, init = reference
-    got = trained(tmp_path, layout, *COMMON, *LAYOUTS[layout], f"train.init_checkpoint={init}")
+    run, _ = reference
+    got = trained(tmp_path, layout, *COMMON, *LAYOUTS[layout])  # from the seed alone, as the reference
     assert_same_training(run, got, TOLERANCE)
     # megatron-core's local attention refuses cp > 1: the summary names the attention that ran
     attention = "SdpaAttention" if "parallel.cp=2" in LAYOUTS[layout] else "DotProductAttention"

@@ -1,8 +1,8 @@
 """Mixture-of-experts training on the megatron backend (CPU, gloo, dropless alltoall dispatch,
 sequential experts): expert parallel alone, with tensor parallel (etp following tp, and etp=1) and
 with pipeline parallel reproduces the single-process run -- loss, learning rate, gradient norm
-and the routers' load-balancing loss at every step, and the final parameters -- from one initial
-checkpoint written at ep1 and loaded resharded over the experts. A stopped expert-parallel run
+and the routers' load-balancing loss at every step, and the final parameters -- from the seed
+alone (every expert drawn by its global number, at any ep). A stopped expert-parallel run
 resumes bit for bit, and the single process's checkpoint resumes expert-parallel. Full and
 selective recompute run with tensor x expert parallel. Mutations: tokens handed to the wrong
 expert, and expert gradients left unreduced over their expert-data-parallel ranks, are caught."""
@@ -24,8 +24,8 @@ from toolkit.train import checkpoint as ckpt
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_processes_left_behind")]
 
-# fp32, synthetic tokens, the distributed optimizer; saves at steps 2 and 4 (the resume's and the
-# parameters'). 2048 tokens pad alike for every tp <= 4 (to 128 x tp).
+# fp32, synthetic tokens (2048: a small output layer), the distributed optimizer; saves at steps 2
+# and 4 (the resume's and the parameters').
 COMMON = [
     "model=tiny_moe",
     "model.vocab_size=2048",
@@ -66,7 +66,7 @@ EXACT = Tolerance(loss=0.0, grad_norm=0.0, parameters=0.0)
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    """The single-process run (ep1); it also saves the initial weights every layout starts from."""
+    """The single-process run (ep1); it also saves its initial weights (for the mutation tests)."""
     tmp = tmp_path_factory.mktemp("moe_reference")
     init = tmp / "init"
     result = run(tmp, "single", *COMMON, "cluster.gpus_per_node=1", f"train.save_init_checkpoint={init}")
@@ -77,10 +77,10 @@ def reference(tmp_path_factory):
 
 
 @pytest.fixture(scope="module")
-def layouts(tmp_path_factory, reference):
-    _, init = reference
+def layouts(tmp_path_factory):
+    """Every layout from the seed alone, as the reference."""
     tmp = tmp_path_factory.mktemp("moe_layouts")
-    return {name: trained(tmp, name, *COMMON, *o, f"train.init_checkpoint={init}") for name, o in LAYOUTS.items()}
+    return {name: trained(tmp, name, *COMMON, *o) for name, o in LAYOUTS.items()}
 
 
 def _aux(run: Trained) -> list[float]:
@@ -111,8 +111,8 @@ def test_expert_parallel_layout_reproduces_single_process_training(reference, la
 
 def test_experts_start_distinct_on_every_expert_parallel_rank(tmp_path):
     """A run from scratch at ep2 (CPU initialisation): no expert starts as a copy of another, in
-    its layer or on the other rank (each layer's experts their own random stream, offset by the
-    expert-parallel rank); measured 0.03-0.04 apart at most, against 0 for a copy."""
+    its layer or on the other rank (each expert drawn from a stream of its own, named by its layer
+    and global number); measured 0.03-0.04 apart at most, against 0 for a copy."""
     init = tmp_path / "init"
     result = run(
         tmp_path,

@@ -17,7 +17,7 @@ group 0, v of group 0, q heads of group 1, ...] (megatron/core/transformer/atten
 SelfAttention.get_query_key_value_tensors); linear_fc1 of SwiGLU is [gate; up]; GPT-2's Conv1D
 stores weights as [in, out], transposed to torch.nn.Linear's [out, in]. The embedding and output
 layer are read by rows, only this rank's; the rows beyond the tokenizer's vocabulary (padding to
-make_vocab_size_divisible_by * tp) are zero.
+make_vocab_size_divisible_by) are zero.
 """
 
 from __future__ import annotations
@@ -80,7 +80,7 @@ class HfTensors:
 def _vocab_part(sh, hf: HfTensors, m: ModelConfig) -> torch.Tensor:
     """This rank's rows of the embedding or output layer that the tokenizer's vocabulary has,
     reading only those rows: the largest tensor of most models, so each of tp ranks on a node
-    reads 1/tp of it. The padding rows past them (to make_vocab_size_divisible_by * tp) are left
+    reads 1/tp of it. The padding rows past them (to make_vocab_size_divisible_by) are left
     to the caller, which zeroes them in the parameter itself (no padded copy)."""
     name = family_of(m.family).vocab_name(sh.key, m)
     rows, hidden = hf.shape(name)

@@ -4,7 +4,7 @@ layer at a time, by the libraries' own readers.
 - megatron-core dist checkpoints (any tp/pp/vpp/dp layout): the tensors are stored layout-free
   (global shapes, layers stacked on a leading axis) in torch.distributed.checkpoint's format, so
   torch reassembles one layer of every stacked tensor at a time in this one process. The vocabulary rows are the saved
-  layout's padding (it differs with tp): they are read as saved and cut to model.vocab_size.
+  layout's padding (which older checkpoints took from tp): they are read as saved and cut to model.vocab_size.
 - DeepSpeed ZeRO-3: deepspeed.utils.zero_to_fp32 in lazy mode (optimizer partitions memory-mapped,
   each parameter gathered when asked for).
 - DeepSpeed ZeRO 0-2: the engine's module states (full parameters), memory-mapped.

@@ -113,14 +113,15 @@ def derived_dp(cfg: Config) -> int | None:
     return world // model_parallel if world % model_parallel == 0 else None
 
 
-def padded_vocab_size(vocab_size: int, divisible_by: int, tp: int) -> int:
-    """Megatron-LM's `_vocab_size_with_padding`: round up to a multiple of divisible_by * tp,
-    so each tensor-parallel shard of the embedding has the same, GEMM-friendly size.
-    divisible_by=0 disables padding (the vocabulary must then divide by tp)."""
+def padded_vocab_size(vocab_size: int, divisible_by: int) -> int:
+    """The embedding's rows: the vocabulary rounded up to a multiple of divisible_by (GEMM-friendly
+    shapes; divisible_by=0 disables padding). Megatron-LM rounds to divisible_by * tp
+    (`_vocab_size_with_padding`), which makes the model, its padded rows taking part in the
+    softmax, differ with tp; here the padding belongs to the model, the same at every layout, and
+    the validator checks that tp divides it."""
     if divisible_by <= 0:
         return vocab_size
-    multiple = divisible_by * tp
-    return -(-vocab_size // multiple) * multiple
+    return -(-vocab_size // divisible_by) * divisible_by
 
 
 def lr_scale_factor(rule: str, global_batch: int, reference_batch: int | None) -> float:
@@ -183,7 +184,7 @@ def resolve(cfg: Config) -> Layout:
         global_batch=t.global_batch,
         grad_accum=grad_accum,
         seq_length=cfg.model.seq_length,
-        padded_vocab_size=padded_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by, p.tp)
+        padded_vocab_size=padded_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by)
         if backend_of(cfg).pads_vocab
         else cfg.model.vocab_size,
         stage_layers=stage_layer_counts(cfg.model.num_layers, p.pp, p.vpp, p.first_stage_layers, p.last_stage_layers),

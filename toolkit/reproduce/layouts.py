@@ -100,13 +100,12 @@ def variant_overrides(v: Variant, vocab_size: int) -> list[str]:
     ]
 
 
-def common_vocab(cfg: Config, runs: list[Variant]) -> int:
-    """The vocabulary every run trains with: the recipe's, padded as megatron pads it for the
-    largest tp among the runs (a multiple of 128 x tp divides every smaller tp's multiple)."""
+def common_vocab(cfg: Config) -> int:
+    """The vocabulary every run trains with: the recipe's, padded as megatron pads it, so that
+    the DeepSpeed runs (unpadded transformers models) hold the same rows."""
     from toolkit.plan.layout import padded_vocab_size
 
-    largest_tp = max(v.dims.tp for v in runs)
-    return padded_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by, largest_tp)
+    return padded_vocab_size(cfg.model.vocab_size, cfg.model.make_vocab_size_divisible_by)
 
 
 def _train(command: list[str], run_dir: Path) -> int:
@@ -124,7 +123,7 @@ def reproduce_layouts(cfg: Config, opts, recipe: str, overrides: list[str], out_
     except LayoutError as e:
         print(f"parakit reproduce: {e}", file=sys.stderr)
         return 2
-    vocab = common_vocab(cfg, runs)
+    vocab = common_vocab(cfg)
     user = [o for o in overrides if not o.startswith(("recipe=", "hydra."))]
     base = [sys.executable, "-m", "toolkit.cli", "train", *sum((["--config-dir", d] for d in opts.config_dir), [])]
     init, hf = out_dir / "initial-weights", out_dir / "initial-weights-hf"

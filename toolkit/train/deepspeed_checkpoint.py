@@ -38,7 +38,7 @@ def save(
     layout: Layout,
     keep_last: int,
     fault,
-    verify: str = "sha256",
+    verify: str = "xxh3",
     saved_by: dict | None = None,
 ) -> float:
     state = {
@@ -93,7 +93,7 @@ def _mapped_loads():
         config.load.mmap = before
 
 
-def load(engine, root: Path, layout: Layout, verify: str = "sha256") -> ckpt.Resume:
+def load(engine, root: Path, layout: Layout, verify: str = "xxh3") -> ckpt.Resume:
     now = _layout_record(layout, engine.zero_optimization_stage())
 
     def load_one(directory: Path) -> tuple[dict, dict]:

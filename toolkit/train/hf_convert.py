@@ -5,7 +5,8 @@ tp/pp/vpp/dp layout.
 The conversion runs in this process at tp = pp = 1: dist_checkpointing stores every tensor with
 global offsets and reshards on load, and the embedding and output layer are saved with
 megatron-core's allow_shape_mismatch (language_module.py, tensor_parallel/layers.py), so a
-vocabulary padded for tp = 1 loads where another tp pads it further (the new rows are zero).
+checkpoint converted before the padding became the model's (make_vocab_size_divisible_by alone,
+the same at every tp) still loads where the padding differs (the missing rows are zero).
 The weights are read tensor by tensor (toolkit.families.hf_weights): the process holds the
 model once plus about one tensor, not a second copy of the model (megatron-core's
 dist_checkpointing.save takes the whole sharded state dict at once, so the model itself is held).

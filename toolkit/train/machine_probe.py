@@ -426,7 +426,7 @@ def model_gemm_shapes(models) -> list[list[int]]:
         tokens, h, d = seq * micro, m.hidden_size, head_dim(m)
         q, kv = m.num_attention_heads * d, kv_heads(m) * d
         ffn_in = m.ffn_hidden_size * (2 if m.activation == "swiglu" else 1)
-        vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by, 1)
+        vocab = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
         for n, k in ((q + 2 * kv, h), (h, q), (ffn_in, h), (h, m.ffn_hidden_size), (vocab, h)):
             for shape in ([tokens, n, k], [tokens, k, n], [k, n, tokens]):
                 if shape not in shapes:

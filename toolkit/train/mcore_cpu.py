@@ -150,29 +150,6 @@ def _uneven_collectives() -> None:
     mappings._reduce_scatter_along_first_dim = reduce_scatter_uneven
 
 
-def _distinct_experts() -> None:
-    """With use_cpu_initialization megatron-core draws every weight from the default generator,
-    without the expert-parallel RNG it uses on GPUs (tensor_parallel/layers.py): each
-    expert-parallel rank would give its local experts the same values as the others' (experts 0
-    and 2 equal at ep=2). Draw each MoE layer's experts from a stream of their own, offset by the
-    expert-parallel rank as megatron-core's expert seed is (random.py,
-    model_parallel_cuda_manual_seed: seed + 1024 + 100 * ep_rank), forked from the default one."""
-    from megatron.core import parallel_state
-    from megatron.core.transformer.moe.experts import SequentialMLP
-
-    init = SequentialMLP.__init__
-
-    def init_distinct(self, *args, **kwargs):
-        layer_seed = int(torch.randint(2**62, (1,)))  # one draw: each layer's experts differ
-        with torch.random.fork_rng(devices=[]):
-            torch.default_generator.manual_seed(
-                layer_seed + 1024 + 100 * parallel_state.get_expert_model_parallel_rank()
-            )
-            init(self, *args, **kwargs)
-
-    SequentialMLP.__init__ = init_distinct
-
-
 def _patch_megatron() -> None:
     from megatron.core.tensor_parallel import random as megatron_random
     from megatron.core.transformer.moe import moe_utils, token_dispatcher
@@ -181,7 +158,6 @@ def _patch_megatron() -> None:
     megatron_random._set_cuda_rng_state = lambda state, *a, **k: torch.set_rng_state(state)
     moe_utils.maybe_move_tensor_to_cpu = token_dispatcher.maybe_move_tensor_to_cpu = _split_sizes_on_host
     _uneven_collectives()
-    _distinct_experts()
     _fork_write_results_queue()
 
 

@@ -183,7 +183,7 @@ def save_checkpoint(
     keep_last: int,
     fault,
     async_queue=None,
-    verify: str = "sha256",
+    verify: str = "xxh3",
     optimizer_format: str = PARALLEL,
     model_parallel: dict | None = None,
     saved_by: dict | None = None,
@@ -224,7 +224,7 @@ def save_checkpoint(
 
 
 def load_checkpoint(
-    root: Path, chunks, optimizer, scheduler, layout: Layout, verify: str = "sha256", model_parallel: dict | None = None
+    root: Path, chunks, optimizer, scheduler, layout: Layout, verify: str = "xxh3", model_parallel: dict | None = None
 ) -> ckpt.Resume:
     """Resume from the newest good checkpoint under `root`: a fully_reshardable one at any layout,
     a dp_reshardable one at any dp of its model-parallel layout (`parakit train` converts it
@@ -289,6 +289,7 @@ class MegatronSteps:
         from megatron.core.pipeline_parallel import get_forward_backward_func
         from megatron.core.transformer.module import Float16Module
 
+        from toolkit.train.megatron_init import draw_layout_free
         from toolkit.train.megatron_model import build_model_chunks, initialize_tp_comm_overlap
 
         self.cfg, self.layout = cfg, layout
@@ -308,6 +309,8 @@ class MegatronSteps:
             from toolkit.families.hf_weights import load_hf_into_chunks
 
             load_hf_into_chunks(chunks, cfg.model.hf_path, cfg.model)
+        else:
+            draw_layout_free(chunks, cfg.train.seed)
         if cfg.train.save_init_checkpoint:
             _save_weights(chunks, cfg.train.save_init_checkpoint)
         _experts_apart(chunks)

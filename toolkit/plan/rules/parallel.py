@@ -4,6 +4,7 @@ arguments.py validate_args)."""
 
 from __future__ import annotations
 
+import math
 from typing import Iterator
 
 from toolkit.config.schema import Config
@@ -63,12 +64,22 @@ def layout(cfg: Config) -> Iterator[Violation]:
             "the MLP's columns do not split evenly across tensor-parallel ranks",
             f"use parallel.tp in {{{listing(divisors(m.ffn_hidden_size, 64))}}}",
         )
-    if m.make_vocab_size_divisible_by == 0 and m.vocab_size % p.tp:
+    padded = padded_vocab_size(m.vocab_size, m.make_vocab_size_divisible_by)
+    if backend_of(cfg).pads_vocab and padded % p.tp:
+        multiple = math.lcm(m.make_vocab_size_divisible_by or 128, p.tp)
         yield err(
             "vocab_tp",
-            {"model.vocab_size": m.vocab_size, "parallel.tp": p.tp, "model.make_vocab_size_divisible_by": 0},
-            "vocabulary padding is off and the embedding rows do not split evenly across tensor-parallel ranks",
-            f"set model.make_vocab_size_divisible_by=128 (pads to {padded_vocab_size(m.vocab_size, 128, p.tp)})",
+            {
+                "model.vocab_size": m.vocab_size,
+                "model.make_vocab_size_divisible_by": m.make_vocab_size_divisible_by,
+                "parallel.tp": p.tp,
+            },
+            f"the embedding's {padded} rows (the vocabulary padded to a multiple of "
+            "model.make_vocab_size_divisible_by, the same at every layout) do not split evenly across "
+            "tensor-parallel ranks",
+            f"use parallel.tp in {{{listing(divisors(padded, c.gpus_per_node))}}}, or set "
+            f"model.make_vocab_size_divisible_by={multiple} (pads to {padded_vocab_size(m.vocab_size, multiple)} "
+            "rows: another model, whose runs do not compare with this one's)",
         )
     if p.tp > c.gpus_per_node:
         yield err(
