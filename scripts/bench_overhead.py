@@ -188,6 +188,7 @@ def bare_megatron(overrides: list[str]) -> dict:
 
     from toolkit.emit.megatron import megatron_sections
     from toolkit.train.megatron_configs import build_megatron_configs
+    from toolkit.train.megatron_init import draw_layout_free
     from toolkit.train.megatron_model import build_model_chunks
     from toolkit.train.trainer import quiet_upstream_notices
 
@@ -202,6 +203,7 @@ def bare_megatron(overrides: list[str]) -> dict:
     sections = megatron_sections(cfg, layout)
     config, optimizer_config, ddp_config = build_megatron_configs(sections)
     (chunk,) = build_model_chunks(sections, config)
+    draw_layout_free([chunk], cfg.train.seed)  # parakit's initial weights (any layout's)
     if config.bf16 or config.fp16:
         chunk = Float16Module(config, chunk)
     model = DistributedDataParallel(config, ddp_config, chunk)

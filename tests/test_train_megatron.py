@@ -1,7 +1,8 @@
 """The megatron backend trains the layout it was given: every parallel layout reproduces the
 single-process run -- loss, learning rate and gradient norm at every step, and the final
-parameters gathered from its last checkpoint -- in fp32 with dropout off, from the seed alone (the same model at every layout: the padded vocabulary is the model's, and every
-weight is drawn by its layout-free name), with no warmup, so that every step updates every
+parameters gathered from its last checkpoint -- in fp32 with dropout off, from the seed alone (the
+same model at every layout: the padded vocabulary is the model's, and every weight is drawn by its
+layout-free name), with no warmup, so that every step updates every
 parameter (asserted on the reference run). Layouts share their runs with the features that
 must change nothing either: selective and full recompute, and one micro-batch per step instead of
 eight accumulated. bf16 and the README demo learn on the real corpus; the demo's checkpoint (tp2
