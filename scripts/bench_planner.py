@@ -65,6 +65,7 @@ def compose_run(run: dict):
         f"zero={run['zero']}",
         "train.steps=1",
         "optim.warmup_steps=0",
+        "train.kernels=reference",  # the runs' own kernels are their backend's, or those `kernels` names
         *run.get("overrides", []),  # further stated settings, as Hydra overrides (zero.overlap_comm=false)
     ]
     cfg = compose_config(overrides)

@@ -23,6 +23,8 @@ BINARY=(megatron-core pydantic-core xxhash)
 PURE=(hydra-core omegaconf hjson pydantic annotated-types typing-inspection typing-extensions)
 # Source distributions only: built into wheels here.
 SOURCE=(deepspeed antlr4-python3-runtime)
+# pyproject.toml's optional extra "gpu" (Liger's kernels), pinned there: not installed here (Triton is GPU only).
+mapfile -t GPU_EXTRA < <(python -c "import tomllib; print(*tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['gpu'], sep='\n')")
 
 platforms=()
 for p in manylinux_2_39 manylinux_2_35 manylinux_2_34 manylinux_2_31 manylinux_2_28 manylinux_2_27 manylinux_2_24 \
@@ -32,6 +34,7 @@ done
 pip=(python -m pip --disable-pip-version-check -q)
 pins=()
 for name in "${BINARY[@]}" "${PURE[@]}"; do pins+=("$name==$(version "$name")"); done
+pins+=("${GPU_EXTRA[@]}")
 echo "[gpu wheels] downloading ${pins[*]}" >&2
 "${pip[@]}" download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --abi cp312 \
   --abi abi3 --abi none "${platforms[@]}" --platform any -d "$OUT" "${pins[@]}"
@@ -43,7 +46,7 @@ for name in "${SOURCE[@]}"; do
 done
 
 count=$(ls "$OUT"/*.whl | wc -l)
-expected=$(( ${#BINARY[@]} + ${#PURE[@]} + ${#SOURCE[@]} ))
+expected=$(( ${#BINARY[@]} + ${#PURE[@]} + ${#SOURCE[@]} + ${#GPU_EXTRA[@]} ))
 if [[ "$count" -ne "$expected" ]]; then
   echo "[gpu wheels] expected $expected wheels, found $count in $OUT" >&2
   exit 1

@@ -1,5 +1,5 @@
 """The first run on a GPU: what parakit measures on one NVIDIA GPU beside what its planner predicts,
-in one JSON file, each step under its own timeout (about 8 minutes in all).
+in one JSON file, each step under its own timeout (about 11 minutes in all).
 
     bash scripts/gpu_check.sh                 # on the GPU machine: installs .whl/ first (scripts/build_gpu_wheels.sh)
     python scripts/gpu_check.py --cpu         # the same steps at toy size on CPU (the tests run it)
@@ -16,6 +16,10 @@ Steps, in order (a step that fails or times out is recorded as such; the next on
    size, seconds, throughput and peak extra host memory and the load's seconds are recorded; its
    time limit follows the planner's save and step times on the probed filesystem (megatron_budget).
 3. deepspeed ZeRO-1 and ZeRO-3: the same model and batch in bf16.
+3b. kernels: both backends with train.kernels=reference and auto (on a GPU the fused kernels: Liger's
+   RMSNorm, RoPE, SwiGLU and fused linear cross-entropy on DeepSpeed, megatron-core's fusions and
+   fused cross-entropy on megatron) at sequence 4096, micro-batch 4, global batch 32, 10 steps: step
+   time, MFU and memory of each, and the largest loss difference between the two at any step.
 4. bench_overhead: parakit's loop against a bare megatron-core loop (scripts/bench_overhead.py).
 5. fused_adam_build: how long DeepSpeed's FusedAdam takes to JIT-compile here (parakit's GPU runs
    use torch's fused AdamW instead, which needs no build).
@@ -28,7 +32,7 @@ on the datasheet cluster it ran with (GPU: the conf/cluster file of its model, 1
 and on the probed one (OUT/probe's cluster file, the run's node size).
 Results go to OUT/gpu_check.json (rewritten after every step) and every step's output to
 OUT/gpu_check.log; OUT is --out, else $OUT, else a new temporary directory. `--only a,b` runs
-those steps alone (all of them: 480 s of fixed limits plus the megatron step's budget on a GPU).
+those steps alone (all of them: 720 s of fixed limits plus the megatron step's budget on a GPU).
 """
 
 from __future__ import annotations
@@ -66,7 +70,22 @@ CPU = (
     range(4, 5),
 )
 COMMON = ["cluster.nodes=1", "cluster.gpus_per_node=1", "parallel=dp", "data=synthetic", "optim.warmup_steps=1"]
-STEPS = ("environment", "probe", "megatron", "deepspeed_zero1", "deepspeed_zero3", "bench_overhead", "fused_adam_build")
+STEPS = (
+    "environment",
+    "probe",
+    "megatron",
+    "deepspeed_zero1",
+    "deepspeed_zero3",
+    "kernels",
+    "bench_overhead",
+    "fused_adam_build",
+)
+# The kernels step's run on a GPU: the H200's llama3_1b at sequence 4096, micro-batch 4, global 32
+# (2.5-2.7 s a step there), 10 steps, the first 3 left out of the medians.
+KERNELS_GPU = (["model.seq_length=4096", "train.micro_batch=4", "train.global_batch=32"], 10, 3)
+# train.kernels=auto against reference: equal in fp32 on CPU (both the reference kernels there); on a
+# GPU the fused kernels round in another order, within this of a loss near 11.
+KERNELS_TOLERANCE = {"cpu": 0.0, "gpu": 2e-2}
 PROBED = "probed"  # the probe step's cluster file: OUT/probe/cluster/probed.yaml
 # The resumed steps equal the uninterrupted ones: exactly in fp32 on CPU; in bf16 the GPU's
 # attention backward may add in another order (FlashAttention's atomics), within this of a loss near 10.
@@ -396,6 +415,54 @@ def deepspeed_run(check: Check, size, zero: int, timeout: float) -> dict:
     return compared(check, f"deepspeed_zero{zero}", run_dir, measured)
 
 
+def kernels_runs(check: Check, size, timeout: float) -> dict:
+    """Each backend with train.kernels=reference and =auto (the fused kernels on a GPU: Liger's on the
+    deepspeed backend, megatron-core's fusions and fused cross-entropy on megatron): step time, MFU and
+    memory of each, and how far apart their losses are at every step (from the same seed)."""
+    overrides, steps, _, skip, _ = size
+    if check.device == "gpu":
+        extra, steps, skip = KERNELS_GPU
+        overrides = [*overrides, *extra]
+    measured: dict = {}
+    for backend in ("megatron", "deepspeed"):
+        losses = []
+        for kernels in ("reference", "auto"):
+            name = f"{backend}_{kernels}"
+            run_dir = check.out / f"kernels_{name}"
+            argv = [
+                *overrides,
+                *COMMON,
+                f"backend={backend}",
+                "zero=1",
+                f"train.steps={steps}",
+                f"train.kernels={kernels}",
+            ]
+            measured[name] = figures(run_dir, check.train(f"kernels {name}", run_dir, argv, timeout / 4), skip)
+            losses.append([r["loss"] for r in records(run_dir)])
+        measured[f"{backend}_max_loss_difference"] = max(abs(a - b) for a, b in zip(*losses))
+    measured["tolerance"] = tolerance = KERNELS_TOLERANCE[check.device]
+    if any(measured[f"{b}_max_loss_difference"] > tolerance for b in ("megatron", "deepspeed")):
+        raise StepFailed("failed", measured)
+    return measured
+
+
+def kernels_summary(step: dict) -> list[str]:
+    """Each backend's reference and fused runs side by side."""
+    lines = []
+    for backend in ("megatron", "deepspeed"):
+        runs = [(k, step.get(f"{backend}_{k}")) for k in ("reference", "auto")]
+        if not all(run for _, run in runs):
+            continue
+        cells = [
+            f"{kernels} {run['step_time_s']:.3f} s, MFU {run['mfu']:.1%}, {run['memory_allocated_gib']:.1f} GiB"
+            + (f" ({run['memory_reserved_gib']:.1f} reserved)" if "memory_reserved_gib" in run else "")
+            for kernels, run in runs
+        ]
+        difference = step[f"{backend}_max_loss_difference"]
+        lines.append(f"kernels {backend}: {'; '.join(cells)}; losses at most {difference:.2e} apart")
+    return lines
+
+
 def bench_overhead(check: Check, timeout: float) -> dict:
     """scripts/bench_overhead.py, shortened: one parakit and one bare megatron-core process."""
     result = check.out / ".bench_overhead.json"
@@ -473,6 +540,8 @@ def main(argv: list[str] | None = None) -> int:
         "probe": (300 if args.cpu else 120, lambda t: probe(check, t)),
         "megatron": (None, lambda t: megatron_resume(check, size, t)),  # megatron_budget, after the probe
         **{f"deepspeed_zero{zero}": (90, lambda t, zero=zero: deepspeed_run(check, size, zero, t)) for zero in (1, 3)},
+        # four runs: on a GPU each ~30 s to start and 10 steps of ~2.6 s
+        "kernels": (240, lambda t: kernels_runs(check, size, t)),
         "bench_overhead": (80, lambda t: bench_overhead(check, t)),
         "fused_adam_build": (60, lambda t: check.worker("fused_adam_build", t)),
     }
@@ -491,7 +560,7 @@ def main(argv: list[str] | None = None) -> int:
                 flush=True,
             )
         check.step(name, timeout, run)
-    for line in summary(check.results["steps"]):
+    for line in summary(check.results["steps"]) + kernels_summary(check.results["steps"].get("kernels", {})):
         print(f"gpu_check: {line}")
     failed = [name for name, step in check.results["steps"].items() if step["status"] != "ok"]
     print(f"gpu_check: results in {out / 'gpu_check.json'}" + (f"; not ok: {', '.join(failed)}" if failed else ""))

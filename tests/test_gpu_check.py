@@ -37,6 +37,7 @@ def test_every_step_ran_and_the_environment_is_this_machines(checked):
         "megatron",
         "deepspeed_zero1",
         "deepspeed_zero3",
+        "kernels",
         "bench_overhead",
         "fused_adam_build",
     ]
@@ -81,6 +82,22 @@ def test_each_run_reports_measured_beside_predicted_from_its_own_records(checked
     assert step["memory_allocated_gib"] == max(r["memory_gib"] for r in records)
     assert step["predicted_tensors_gib"] == records[-1]["predicted_memory_gib"]
     assert step["kernels"]["adam"] == "torch.optim.adamw.AdamW"
+
+
+def test_the_kernels_step_runs_each_backend_with_and_without_the_fused_kernels(checked):
+    """On CPU train.kernels=auto resolves to the reference kernels: the two runs of a backend are the
+    same computation, so their losses are equal; each run's summary names the kernels it used."""
+    out, steps = checked
+    kernels = steps["kernels"]
+    for backend in ("megatron", "deepspeed"):
+        assert kernels[f"{backend}_max_loss_difference"] == 0.0
+        for choice in ("reference", "auto"):
+            run = kernels[f"{backend}_{choice}"]
+            records = [json.loads(line) for line in (out / f"kernels_{backend}_{choice}" / "metrics.jsonl").open()]
+            assert run["steps"] == len(records) == 4 and run["mfu"] > 0 and run["memory_allocated_gib"] > 0
+            assert "loss" in run["kernels"] and "layers" in run["kernels"]
+    printed = (out / "stdout.txt").read_text()
+    assert "gpu_check: kernels megatron: reference " in printed and "losses at most 0.00e+00 apart" in printed
 
 
 def test_bench_overhead_compared_the_same_work(checked):

@@ -88,7 +88,13 @@ def test_layout_reproduces_single_process_training(reference, layout_runs, varia
     assert_same_training(reference, got, TOLERANCE, grad_norm=variant != "zero0_dp2")  # ZeRO-0 reports none
     assert_stage_times(got, 2 if variant.startswith("pipeline") else 1)
     # the emitted "torch_adam" on CPU (offloaded too): no FusedAdam or CPU Adam to compile
-    assert got.result["kernels"] == {"attention": "transformers sdpa", "adam": "torch.optim.adamw.AdamW"}
+    # and train.kernels=auto on CPU: the reference layers and loss
+    assert got.result["kernels"] == {
+        "attention": "transformers sdpa",
+        "adam": "torch.optim.adamw.AdamW",
+        "layers": "transformers eager PyTorch operations",
+        "loss": "torch cross_entropy over the logits",
+    }
 
 
 def test_export_reproduces_the_loss_the_run_computed(tmp_path, reference):

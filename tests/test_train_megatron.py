@@ -137,6 +137,11 @@ def test_layout_reproduces_single_process_training(tmp_path, reference, layout):
     attention = "SdpaAttention" if "parallel.cp=2" in LAYOUTS[layout] else "DotProductAttention"
     assert got.result["kernels"]["attention"].endswith(f".{attention}"), got.result["kernels"]
     assert got.result["kernels"]["adam"] == "torch.optim.adamw.AdamW"  # no apex or TE here
+    # train.kernels=auto on CPU: what the built TransformerConfig holds, the reference kernels
+    assert (got.result["kernels"]["layers"], got.result["kernels"]["loss"]) == (
+        "PyTorch operations",
+        "megatron-core vocab-parallel cross-entropy",
+    )
     assert_stage_times(got, next((int(o[len("parallel.pp=") :]) for o in LAYOUTS[layout] if "pp=" in o), 1))
 
 

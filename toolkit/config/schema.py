@@ -175,6 +175,14 @@ class AttentionBackend(StrEnum):
     unfused = "unfused"
 
 
+class KernelChoice(StrEnum):
+    """Which element-wise and loss kernels a run computes with (toolkit.plan.backends.kernels_of)."""
+
+    auto = "auto"  # the fused ones on GPUs, the reference ones on CPU
+    fused = "fused"  # fused kernels (megatron-core's fusions; Liger's for transformers models)
+    reference = "reference"  # the plain PyTorch operations, one kernel each
+
+
 class NanAction(StrEnum):
     skip = "skip"
     stop = "stop"
@@ -675,6 +683,11 @@ class TrainConfig:
     # flash: fused attention kernels that store no s^2 scores (FlashAttention, cuDNN);
     # unfused: QK^T, softmax and AV as separate kernels (pre-2023 Megatron, eager PyTorch on CPU).
     attention_backend: AttentionBackend = AttentionBackend.flash
+    # The layers' element-wise work and the loss: fused kernels (megatron-core's bias-activation,
+    # bias-dropout and cross-entropy fusions; Liger's RMSNorm, RoPE, SwiGLU and fused linear
+    # cross-entropy for the deepspeed backend's transformers models, package liger-kernel) or the
+    # reference PyTorch operations; auto: fused on GPUs, reference on CPU.
+    kernels: KernelChoice = KernelChoice.auto
     # Start from these model weights (a megatron-core dist checkpoint, any layout: resharded on load).
     init_checkpoint: Optional[str] = path_text(None)
     # Save the initial weights there before the first step (to start other layouts from them).

@@ -10,6 +10,7 @@ Plain data only: toolkit.train.megatron_configs turns the sections into the mega
 from __future__ import annotations
 
 from toolkit.config.schema import Config, expert_ffn_size, is_moe, moe_layer_pattern
+from toolkit.plan.backends import kernels_of
 from toolkit.plan.layout import Layout
 from toolkit.plan.lr_schedule import lr_schedule
 from toolkit.plan.parallel_dims import DIMS
@@ -48,12 +49,17 @@ def _model_parallel(cfg: Config, layout: Layout) -> dict:
         "overlap_p2p_comm": not on_cpu and layout.vpp > 1,
         "batch_p2p_comm": not on_cpu and layout.vpp == 1,
         "deallocate_pipeline_outputs": True,
+        # megatron-core's torch-compiled vocab-parallel cross-entropy (fusions/fused_cross_entropy.py;
+        # "te" would be Transformer Engine's): train.kernels, toolkit.plan.backends.kernels_of
+        "cross_entropy_loss_fusion": kernels_of(cfg).loss,
+        "cross_entropy_fusion_impl": "native",
     }
 
 
 def _transformer(cfg: Config) -> dict:
     m, r = cfg.model, cfg.recompute
-    fused = cfg.cluster.device == "cuda"
+    fused = kernels_of(cfg).layers  # megatron-core's jit-fused element-wise kernels (train.kernels)
+    on_gpu = cfg.cluster.device == "cuda"
     swiglu = m.activation == "swiglu"
     return {
         "num_layers": m.num_layers,
@@ -89,7 +95,7 @@ def _transformer(cfg: Config) -> dict:
         # Transformer Engine pick FlashAttention or cuDNN's fused attention (its `flash` forces
         # NVTE_FLASH_ATTN=1 NVTE_FUSED_ATTN=0: the separate flash-attn package, and no cuDNN attention
         # on Hopper; models/common/language_module/language_module.py). On CPU: unfused.
-        "attention_backend": "auto" if fused and cfg.train.attention_backend == "flash" else "unfused",
+        "attention_backend": "auto" if on_gpu and cfg.train.attention_backend == "flash" else "unfused",
         "recompute_granularity": None if r.granularity == "none" else r.granularity,
         "recompute_method": r.method if r.granularity == "full" else None,
         "recompute_num_layers": r.num_layers if r.granularity == "full" else None,
@@ -101,7 +107,7 @@ def _transformer(cfg: Config) -> dict:
         # parakit's trainer builds where TE is installed (toolkit.train.megatron_model.layer_spec). In
         # megatron-core the field picks the spec only for Megatron-LM's GPT builder (gpt_builders.py), whose
         # local spec refuses context parallel ("only supported by TEDotProductAttention").
-        "transformer_impl": "transformer_engine" if fused else "local",
+        "transformer_impl": "transformer_engine" if on_gpu else "local",
         "qk_layernorm": m.qk_layernorm,
         **_moe(cfg),
     }

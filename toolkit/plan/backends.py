@@ -10,9 +10,13 @@ Pure Python (no torch): the planner reads it on a laptop.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
+import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import NamedTuple
 
 
 class GradReduce(StrEnum):
@@ -35,15 +39,20 @@ class Package:
     module: str  # what the run imports, e.g. "transformer_engine.pytorch"
     install: str  # what to install, e.g. "transformer-engine[pytorch]"
     field: str  # the option that needs it ...
-    value: str  # ... at this value
+    value: str  # ... at this value (or, with `when`, where `when` holds: value then says when in words)
     why: str
     instead: str  # the option's alternative without the package
+    # Needed only where this also holds of the configuration (e.g. the option resolves to the kernels
+    # that need it on this cluster); None: wherever the option has the value.
+    when: Callable[[object], bool] | None = None
 
     @property
     def name(self) -> str:
         return self.module.split(".")[0]
 
     def needed(self, cfg) -> bool:
+        if self.when is not None:
+            return self.when(cfg)
         value = cfg
         for key in self.field.split("."):
             value = getattr(value, key)
@@ -91,6 +100,45 @@ DEEP_EP = Package(
     value="flex",
     why="the flex dispatcher runs DeepEP's kernels",
     instead="model.moe.token_dispatcher=alltoall",
+)
+
+
+class KernelSetting(NamedTuple):
+    """What the kernels a run computes with depend on (toolkit.plan.backends.kernels_of)."""
+
+    backend: str
+    choice: str  # train.kernels
+    device: str
+    dtype: str
+    zero: int
+    pp: int
+    family: str
+    experts: int
+
+
+@dataclass(frozen=True)
+class FusedKernels:
+    """A backend's fused element-wise kernels and fused loss, against the reference PyTorch ones."""
+
+    layers: str  # what computes the layers' element-wise work, fused ...
+    reference_layers: str  # ... and unfused
+    loss: str
+    reference_loss: str
+    layers_blocked: Callable[[KernelSetting], str | None]  # why a configuration cannot have the fused layers
+    loss_blocked: Callable[[KernelSetting], str | None]
+    layer_traits: dict  # Backend fields under the fused layers
+    loss_traits: dict  # ... and under the fused loss
+
+
+# Liger's kernels are Triton's (liger-kernel's optional extra "gpu" of parakit: pyproject.toml).
+LIGER = Package(
+    module="liger_kernel.transformers",
+    install="liger-kernel==0.8.5",
+    field="train.kernels",
+    value="fused (or auto on GPUs)",
+    why="the deepspeed backend's fused kernels are Liger's",
+    instead="train.kernels=reference",
+    when=lambda cfg: (lambda k: k.layers or k.loss)(kernels_of(cfg)),
 )
 
 
@@ -164,6 +212,11 @@ class Backend:
     # tensors it allocates (the logits included).
     loss_logit_passes: int
     loss_fresh_logits: int
+    # Whether those passes run on an fp32 upcast of 16-bit logits (False: at the logits' own dtype,
+    # nothing upcast), and whether the loss makes its logits chunk by chunk of tokens from the last
+    # hidden states and the output weight, never all of them at once (toolkit.plan.memory.loss_bytes).
+    loss_upcasts: bool
+    loss_chunked: bool
     # What the loss holds per logit at its peak, beside the 16-bit logits: its fp32 upcast kept
     # through the loss (worked on in place), and further fp32 logits-sized tensors.
     loss_keeps_upcast: bool
@@ -180,6 +233,10 @@ class Backend:
     # (silu's output kept besides its inputs); toolkit.plan.memory.layer_activation_bytes.
     eager_norm_activations: bool
     grad_reduce: GradReduce
+    # The fused kernels it computes with under train.kernels (fused, or auto on GPUs): named for the
+    # run's summary, why a configuration cannot have them (None: it can), and the traits above that
+    # change with them (toolkit.plan.backends.backend_of applies them).
+    fused: FusedKernels
     # Checkpoints, weights and launch.
     checkpoint_format: str
     async_save: bool
@@ -251,6 +308,8 @@ MEGATRON = Backend(
     # peak the 16-bit logits (still referenced by GPTModel.forward) and the upcast are alive.
     loss_logit_passes=9,
     loss_fresh_logits=1,
+    loss_upcasts=True,
+    loss_chunked=False,
     loss_keeps_upcast=True,
     loss_fp32_logits=0,
     holds_previous_logits=False,  # GPTModel returns the loss; the schedule keeps no logits
@@ -260,6 +319,26 @@ MEGATRON = Backend(
     grad_accumulation_bytes=2 + 4 + 4,
     eager_norm_activations=False,
     grad_reduce=GradReduce.OVERLAPPED_BUCKETS,
+    fused=FusedKernels(
+        layers="megatron-core fusions (bias-activation, bias-dropout; Transformer Engine's layers where installed)",
+        reference_layers="PyTorch operations",
+        loss="megatron-core fused vocab-parallel cross-entropy (native)",
+        reference_loss="megatron-core vocab-parallel cross-entropy",
+        layers_blocked=lambda s: None,
+        # fusions/fused_cross_entropy.py calculate_gradients returns the logits' gradient in bf16
+        loss_blocked=lambda s: (
+            None
+            if s.dtype in ("bf16", "fp8")
+            else f"megatron-core's fused cross-entropy returns bf16 gradients (precision.dtype={s.dtype})"
+        ),
+        # the fused layers' bytes are the planner's fused count either way (eager_layers above)
+        layer_traits={},
+        # torch-compiled in three forward functions and one backward (megatron-core
+        # fusions/fused_cross_entropy.py): the max with the upcast, subtract-exp-sum in place (read and
+        # write), the division (read and write), the gradient in place (read and write) and its
+        # downcast: 5 fp32 passes beside the upcast and downcast (9 unfused). Memory as unfused.
+        loss_traits={"loss_logit_passes": 5},
+    ),
     # every rank writes its own shards; another tp/pp/vpp/cp/ep converts once (toolkit.train.megatron_reshard)
     checkpoint_format="megatron-core dist_checkpointing, fully parallel, dp_reshardable (loads at any layout)",
     async_save=True,
@@ -325,6 +404,8 @@ DEEPSPEED = Backend(
     # logits' fp32 gradient are alive; the upcast was freed once log_softmax read it.
     loss_logit_passes=8,
     loss_fresh_logits=4,
+    loss_upcasts=True,
+    loss_chunked=False,
     loss_keeps_upcast=False,
     loss_fp32_logits=3,
     holds_previous_logits=True,  # toolkit.train.deepspeed_backend: `out` lives until rebound
@@ -334,15 +415,102 @@ DEEPSPEED = Backend(
     grad_accumulation_bytes=6 + 12 + 2,
     eager_norm_activations=True,
     grad_reduce=GradReduce.ZERO_STAGED,
+    fused=FusedKernels(
+        layers="Liger RMSNorm, RoPE and SwiGLU",
+        reference_layers="transformers eager PyTorch operations",
+        loss="Liger fused linear cross-entropy (logits in chunks, never all at once)",
+        reference_loss="torch cross_entropy over the logits",
+        layers_blocked=lambda s: _liger_family_blocked(s),
+        loss_blocked=lambda s: _liger_loss_blocked(s),
+        # Liger's RMSNorm keeps its 16-bit input and a per-row rstd, its SwiGLU the two inputs (the
+        # activation recomputed in backward), each one Triton kernel: the fused count of bytes
+        layer_traits={"eager_layers": False, "eager_norm_activations": False},
+        # Liger ops/fused_linear_cross_entropy.py: per chunk of tokens, the chunk's logits GEMM, one
+        # Triton kernel that reads each row twice (online max and sum, then the gradient written in
+        # place) at the logits' dtype, and the input and weight gradients' GEMMs in the forward pass
+        loss_traits={
+            "loss_logit_passes": 3,
+            "loss_fresh_logits": 0,
+            "loss_upcasts": False,
+            "loss_chunked": True,
+            "loss_keeps_upcast": False,
+            "loss_fp32_logits": 0,
+            "holds_previous_logits": False,
+        },
+    ),
     checkpoint_format="DeepSpeed engine checkpoint (zero_to_fp32 consolidates it)",
     async_save=False,
     # transformers' from_pretrained (modeling_utils._get_resolved_checkpoint_files): safetensors first
     hf_weights=("safetensors", "pytorch_bin"),
     megatron_lm_entry=False,
     dist_init_weights=False,  # its models start from model.hf_path or a seeded init
+    packages=(LIGER,),
 )
 
 BACKENDS: dict[str, Backend] = {b.name: b for b in (MEGATRON, DEEPSPEED)}
+
+# The dense families whose transformers modules Liger replaces (liger_kernel.transformers.monkey_patch:
+# apply_liger_kernel_to_llama, _mistral, _qwen2, _qwen3 swap the RMSNorm and MLP classes and RoPE).
+LIGER_FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def _liger_family_blocked(s: KernelSetting) -> str | None:
+    if s.family not in LIGER_FAMILIES or s.experts:
+        return f"parakit has Liger's kernels for the dense {', '.join(LIGER_FAMILIES)} models (model.family={s.family})"
+    return None
+
+
+def _liger_loss_blocked(s: KernelSetting) -> str | None:
+    if s.zero >= 3:
+        # Liger reads lm_head.weight outside the module's forward, where ZeRO-3 holds only a shard
+        return "Liger's fused loss reads the output weight outside its module, which ZeRO-3 partitions (zero.stage=3)"
+    if s.pp > 1:
+        return "DeepSpeed's pipeline computes the loss in its own loss function (parallel.pp > 1)"
+    return _liger_family_blocked(s)
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The kernels a configuration computes with: fused or reference, for the layers and the loss."""
+
+    layers: bool
+    loss: bool
+    names: dict  # {"layers": ..., "loss": ...}: what computes them, for the run's summary
+    kept_reference: tuple[str, ...]  # why a part asked to be fused stays the reference one
+
+
+def kernels_of(cfg) -> Kernels:
+    """train.kernels resolved for the configuration's backend and cluster: `auto` fuses on GPUs."""
+    m = cfg.model
+    setting = KernelSetting(
+        str(cfg.backend.name),
+        str(cfg.train.kernels),
+        str(cfg.cluster.device),
+        str(cfg.precision.dtype),
+        cfg.zero.stage,
+        cfg.parallel.pp,
+        str(m.family),
+        m.moe.num_experts or 0,
+    )
+    return _resolved(setting)
+
+
+@functools.lru_cache(maxsize=256)  # the layout search asks for every layout it prices
+def _resolved(s: KernelSetting) -> Kernels:
+    fused = backend_named(s.backend).fused
+    wanted = s.choice == "fused" or (s.choice == "auto" and s.device == "cuda")
+    why_layers = fused.layers_blocked(s) if wanted else None
+    why_loss = fused.loss_blocked(s) if wanted else None
+    layers, loss = wanted and why_layers is None, wanted and why_loss is None
+    return Kernels(
+        layers,
+        loss,
+        {
+            "layers": fused.layers if layers else fused.reference_layers,
+            "loss": fused.loss if loss else fused.reference_loss,
+        },
+        tuple(dict.fromkeys(why for why in (why_layers, why_loss) if why)),
+    )
 
 
 def backend_named(name: str) -> Backend:
@@ -356,8 +524,17 @@ def backend_named(name: str) -> Backend:
 
 
 def backend_of(cfg) -> Backend:
-    """The description of the configuration's backend (`backend.name`)."""
-    return backend_named(cfg.backend.name)
+    """The description of the configuration's backend (`backend.name`), with the traits of the
+    kernels train.kernels resolves to (kernels_of)."""
+    kernels = kernels_of(cfg)
+    return _with_kernels(str(cfg.backend.name), kernels.layers, kernels.loss)
+
+
+@functools.lru_cache(maxsize=None)  # a few descriptions, asked for by every layout the search prices
+def _with_kernels(name: str, layers: bool, loss: bool) -> Backend:
+    backend = backend_named(name)
+    traits = {**(backend.fused.layer_traits if layers else {}), **(backend.fused.loss_traits if loss else {})}
+    return dataclasses.replace(backend, **traits) if traits else backend
 
 
 def packages_needed(cfg) -> list[Package]:

@@ -28,6 +28,7 @@ scores, times an allowance for uneven routing (the capacity factor, when tokens 
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from functools import partial
 
@@ -170,6 +171,19 @@ def loss_logit_bytes(backend: Backend, nbytes: int) -> float:
     return nbytes + upcast + 4 * backend.loss_fp32_logits
 
 
+def loss_bytes(backend: Backend, tokens: float, vocab: float, hidden: int, nbytes: int) -> float:
+    """Bytes the loss holds at its peak for `tokens` tokens over a `vocab`-wide (per-rank) output
+    layer: the logits and what the loss keeps per logit (loss_logit_bytes), or, for a loss that makes
+    its logits chunk by chunk (Backend.loss_chunked), what Liger's fused linear cross-entropy
+    allocates in the forward pass (ops/fused_linear_cross_entropy.py): the input's and the output
+    weight's gradients, in the activations' dtype, one chunk's logits of next_power_of_2(ceil(tokens /
+    ceil(vocab / hidden))) tokens, and an fp32 loss per token."""
+    if not backend.loss_chunked:
+        return tokens * vocab * loss_logit_bytes(backend, nbytes)
+    chunk = min(tokens, 2 ** math.ceil(math.log2(max(1.0, math.ceil(tokens / math.ceil(vocab / hidden))))))
+    return (tokens * hidden + vocab * hidden + chunk * vocab) * nbytes + 4 * tokens
+
+
 def inflight_chunks(pp: int, vpp: int, num_microbatches: int, stage: int = 0) -> int:
     """Model chunks whose activations a pipeline stage holds at its peak (Megatron-LM schedules:
     warm-up micro-batches + 1)."""
@@ -269,7 +283,7 @@ def stage_memory(cfg: Config, layout: Layout, stage: int, flash: bool | None = N
 
     logits = 0.0
     if stage == layout.pp - 1:  # the loss's peak: the logits and what the backend's loss holds beside them
-        logits = tokens * layout.padded_vocab_size / layout.tp * loss_logit_bytes(backend, nbytes)
+        logits = loss_bytes(backend, tokens, layout.padded_vocab_size / layout.tp, m.hidden_size, nbytes)
 
     buffers = 2 * tokens * m.hidden_size * nbytes  # pipeline send/recv or sequence-parallel all-gather
     if params.moe_layers:  # the token dispatcher's send and receive buffers: router_topk copies of each token

@@ -357,8 +357,11 @@ def logits_cost(cfg: Config, layout: Layout, backend: Backend, r: Rates, stack) 
     tokens = layout.gpu_tokens
     vocab_shard = layout.padded_vocab_size / tp
     logit_bytes = tokens * vocab_shard * 4  # the loss is computed in fp32
-    # 16-bit logits: the upcast (read 16 bits, write 32) and the gradient's downcast
-    passes = backend.loss_logit_passes * 4 + (2 * (r.nbytes + 4) if r.nbytes < 4 else 0)
+    if backend.loss_upcasts:  # fp32 passes; 16-bit logits add the upcast (read 16 bits, write 32) and
+        # the gradient's downcast
+        passes = backend.loss_logit_passes * 4 + (2 * (r.nbytes + 4) if r.nbytes < 4 else 0)
+    else:  # passes at the logits' own dtype
+        passes = backend.loss_logit_passes * r.nbytes
     compute = (
         sum(linear_time(c, tokens, vocab_shard, h, r.gemm, r.nbytes, _wgrad_bytes(backend, r.nbytes)))
         + (stack.loss_s_per_logit * logit_bytes / 4 if stack else passes * logit_bytes / 4 / r.hbm)

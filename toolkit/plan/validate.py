@@ -96,6 +96,7 @@ _ERROR_RULES: tuple[Callable[[Config], Iterator[Violation]], ...] = (
     training.optim,
     training.checkpoint,
     training.profile,
+    training.kernels,
 )
 
 
@@ -165,6 +166,7 @@ def validate(
         warnings += list(experts.stage_balance(cfg))
         warnings += list(comm.costly(cfg))
         warnings += list(training.profile_window(cfg))
+        warnings += list(training.kernels_kept(cfg))
         warnings += list(slow.slow_layouts(cfg, resolve(cfg)))
     return Report(tuple(errors), tuple(warnings), packages)
 

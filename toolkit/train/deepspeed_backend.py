@@ -10,6 +10,7 @@ import torch
 
 from toolkit.config.schema import Config, is_moe
 from toolkit.emit.deepspeed import deepspeed_config
+from toolkit.plan.backends import kernels_of
 from toolkit.plan.layout import Layout
 from toolkit.train import deepspeed_engine, router_losses
 from toolkit.train.checkpoint import seed_host_rngs
@@ -46,15 +47,23 @@ class DataParallelSteps(deepspeed_engine.EngineSteps):
         # the LM loss, then the routers' logged losses: reduced together, no host sync per micro-batch
         names = router_losses.logged_names(moe) if experts else []
         total = torch.zeros(1 + len(names), dtype=torch.float32, device=engine.device)  # NCCL: device tensors
+        fused_loss = kernels_of(self.cfg).loss
         for _ in range(layout.grad_accum):
             batch = {k: v.to(engine.device) for k, v in next(self.batches).items()}
             with self.compute.timing():
+                # Liger's fused loss takes the (already shifted) labels and returns the mean over the
+                # tokens not ignored, never the logits; else the loss over the model's logits
+                labels = deepspeed_engine.ignored_labels(batch["labels"], batch["loss_mask"]) if fused_loss else None
                 out = engine(
                     input_ids=batch["tokens"],
                     position_ids=batch["position_ids"],
                     **({"output_router_logits": True} if experts else {}),
+                    **({"shift_labels": labels} if fused_loss else {}),
                 )
-                loss = deepspeed_engine.token_loss(out.logits, batch["labels"], batch["loss_mask"])
+                if fused_loss:
+                    loss = out.loss
+                else:
+                    loss = deepspeed_engine.token_loss(out.logits, batch["labels"], batch["loss_mask"])
                 objective = loss
                 if experts:  # the routers' losses, layer by layer as megatron-core adds them
                     routers = router_losses.router_losses(out.router_logits, moe, batch["tokens"].size(0))

@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from toolkit.config.schema import Config
+from toolkit.plan.backends import Kernels, kernels_of
 from toolkit.plan.layout import Layout
 from toolkit.plan.lr_schedule import LRSchedule, lr_schedule
 from toolkit.train import checkpoint as ckpt
@@ -72,6 +73,7 @@ def build_hf_model(cfg: Config, ds_json: dict, deepspeed):
             cfg.train.seed,
             deepspeed if cfg.zero.stage == 3 else None,
         )
+    apply_fused_kernels(model, kernels_of(cfg))
     if cfg.recompute.granularity == "full":
         # Non-reentrant checkpointing: the reentrant kind silently drops the gradients of a
         # block whose inputs do not require grad (the embedding output under ZeRO-3, say).
@@ -80,6 +82,30 @@ def build_hf_model(cfg: Config, ds_json: dict, deepspeed):
     # transformers holds only a weak reference to the ZeRO-3 config: it lives as long as the model.
     model.parakit_zero3_config = zero3_config
     return model
+
+
+def apply_fused_kernels(model, kernels: Kernels) -> None:
+    """Liger's kernels in the transformers model where train.kernels resolved to fused ones: its
+    RMSNorm, RoPE and SwiGLU in every layer, and the fused linear cross-entropy as the model's forward
+    (liger_kernel.transformers.monkey_patch: the family's apply function, given the built model)."""
+    if not (kernels.layers or kernels.loss):
+        return
+    from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+
+    MODEL_TYPE_TO_APPLY_LIGER_FN[model.config.model_type](
+        rope=kernels.layers,
+        rms_norm=kernels.layers,
+        swiglu=kernels.layers,
+        cross_entropy=False,
+        fused_linear_cross_entropy=kernels.loss,
+        model=model,
+    )
+
+
+def ignored_labels(labels: torch.Tensor, loss_mask: torch.Tensor) -> torch.Tensor:
+    """The labels with the masked tokens set to -100, the index cross-entropy losses ignore (what a
+    loss given labels instead of logits takes for train.loss_mask's zeros)."""
+    return labels.masked_fill(loss_mask == 0, -100)
 
 
 _OUTPUT_PROJECTIONS = ("o_proj", "down_proj", "attn.c_proj", "mlp.c_proj")
@@ -188,13 +214,18 @@ class EngineSteps:
         return self.engine.get_lr()[0]
 
     def kernels(self) -> dict:
-        """The attention transformers runs and the Adam DeepSpeed steps (FusedAdam, or torch's)."""
+        """The attention transformers runs, the Adam DeepSpeed steps (FusedAdam, or torch's) and the
+        layers' and loss's kernels (train.kernels)."""
         from toolkit.train.capabilities import qualified_name
 
         attention = next(
             (m.config._attn_implementation for m in self.engine.module.modules() if hasattr(m, "config")), None
         )
-        return {"attention": f"transformers {attention}", "adam": qualified_name(type(self.engine.basic_optimizer))}
+        return {
+            "attention": f"transformers {attention}",
+            "adam": qualified_name(type(self.engine.basic_optimizer)),
+            **kernels_of(self.cfg).names,  # build_hf_model applied these or raised
+        }
 
     def save(self, root: Path, step: int) -> float:
         c = self.cfg.checkpoint

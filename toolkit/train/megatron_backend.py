@@ -14,6 +14,7 @@ import torch
 
 from toolkit.config.schema import Config
 from toolkit.emit.megatron import megatron_degrees, megatron_sections
+from toolkit.plan.backends import backend_named
 from toolkit.plan.checkpoint import saves_asynchronously
 from toolkit.plan.layout import Layout
 from toolkit.train import checkpoint as ckpt
@@ -490,8 +491,8 @@ class MegatronSteps:
         return self.optimizer.param_groups[0]["lr"]
 
     def kernels(self) -> dict:
-        """The core attention the layer spec chose and the Adam megatron-core steps (TE's or apex's
-        FusedAdam, else torch's AdamW)."""
+        """The core attention the layer spec chose, the Adam megatron-core steps (TE's or apex's
+        FusedAdam, else torch's AdamW) and the layers' and loss's kernels its config asks for."""
         from toolkit.train.capabilities import qualified_name
         from toolkit.train.megatron_model import have_transformer_engine
 
@@ -500,10 +501,15 @@ class MegatronSteps:
             None,
         )
         inner = getattr(self.optimizer, "chained_optimizers", [self.optimizer])[0].optimizer
+        config = self.chunks[0].config  # the TransformerConfig the model was built with
+        fused = backend_named("megatron").fused
+        fused_layers = config.bias_activation_fusion or config.bias_dropout_fusion
         return {
             "attention": qualified_name(attention) if attention else None,
             "adam": qualified_name(type(inner)),
             "transformer_engine": have_transformer_engine(),
+            "layers": fused.layers if fused_layers else fused.reference_layers,
+            "loss": fused.loss if config.cross_entropy_loss_fusion else fused.reference_loss,
         }
 
     def save(self, root: Path, step: int) -> float:

@@ -1,10 +1,12 @@
-"""Activation recompute, the optimizer's learning rates, checkpoint intervals and the profiled steps."""
+"""Activation recompute, the optimizer's learning rates, checkpoint intervals, the profiled steps and
+the kernels."""
 
 from __future__ import annotations
 
 from typing import Iterator
 
 from toolkit.config.schema import Config
+from toolkit.plan.backends import kernels_of
 from toolkit.plan.layout import stage_layer_counts
 from toolkit.plan.rules.base import Violation, divisors, err, listing, warn
 
@@ -95,4 +97,31 @@ def profile_window(cfg: Config) -> Iterator[Violation]:
             fields | {"last step": last},
             "the run ends before the first profiled step: nothing is profiled",
             f"set train.profile_step_start<={last}",
+        )
+
+
+def kernels(cfg: Config) -> Iterator[Violation]:
+    """train.kernels=fused asks for GPU kernels: megatron-core's fusions are torch-compiled for CUDA and
+    Liger's are Triton's."""
+    if str(cfg.train.kernels) == "fused" and str(cfg.cluster.device) == "cpu":
+        yield err(
+            "kernels",
+            {"train.kernels": "fused", "cluster.device": "cpu"},
+            "the fused kernels (megatron-core's torch-compiled fusions, Liger's Triton kernels) run on CUDA GPUs",
+            "set train.kernels=reference (or auto: fused on GPUs, reference on CPU)",
+        )
+
+
+def kernels_kept(cfg: Config) -> Iterator[Violation]:
+    """Where train.kernels=fused cannot fuse a part (the loss under ZeRO-3, a family without Liger
+    kernels), that part computes with the reference kernels: said, not silent."""
+    if str(cfg.train.kernels) != "fused":
+        return
+    resolved = kernels_of(cfg)
+    for why in resolved.kept_reference:
+        yield warn(
+            "kernels",
+            {"train.kernels": "fused", "backend.name": str(cfg.backend.name)},
+            f"{why}: the run computes with {resolved.names['layers']} and {resolved.names['loss']}",
+            "nothing to change for the run; set train.kernels=auto to silence this",
         )
