@@ -20,6 +20,7 @@ from toolkit.plan.layout import Layout
 from toolkit.train import checkpoint as ckpt
 from toolkit.train import mcore_cpu, torch_adam
 from toolkit.train.data import build_datasets, eval_batches, micro_batches
+from toolkit.train.direct_reader import direct_reads
 from toolkit.train.distributed import end_process_group, init_process_group
 from toolkit.train.loop import Gradients, Update
 from toolkit.train.megatron_configs import build_megatron_configs
@@ -124,7 +125,8 @@ def _load_weights(chunks: list, path: str) -> None:
     call: their sharded tensors together cover every layer, which the loader validates."""
     from megatron.core import dist_checkpointing
 
-    loaded = dist_checkpointing.load({f"chunk{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}, path)
+    with direct_reads():
+        loaded = dist_checkpointing.load({f"chunk{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}, path)
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(loaded[f"chunk{i}"], strict=True)
 
@@ -245,9 +247,10 @@ def load_checkpoint(
             )
         if torch_adam.runs_torch_adam():
             torch_adam.seed_states(optimizer)
-        loaded = dist_checkpointing.load(
-            _sharded_state(chunks, optimizer, True, optimizer_format), str(directory / "model_optim")
-        )
+        with direct_reads():
+            loaded = dist_checkpointing.load(
+                _sharded_state(chunks, optimizer, True, optimizer_format), str(directory / "model_optim")
+            )
         for i, chunk in enumerate(chunks):
             chunk.load_state_dict(loaded[f"chunk{i}"], strict=True)
         with torch.no_grad():  # dp_reshardable copies into the fp32 parameters themselves when they are the master
