@@ -657,6 +657,15 @@ class FaultConfig:
     crash_in_save_at_step: Optional[int] = at_least_one(None)  # rank 0 dies after writing, before publishing, this save
     # the checkpoint of this step is damaged after publishing
     corrupt_checkpoint_at_step: Optional[int] = at_least_one(None)
+    # A rank slower than the others, named: every straggler_interval steps the ranks' compute seconds
+    # per step are compared (toolkit.train.stragglers), and one over its pipeline stage's median by more
+    # than straggler_threshold (a fraction) is printed with its host, local rank and stage and recorded
+    # in metrics.jsonl. null: never compared.
+    straggler_interval: Optional[int] = at_least_one(10)
+    straggler_threshold: float = positive(0.2)
+    # drill: this rank computes slow_seconds longer at every step (a slow GPU, a throttled node)
+    slow_rank: Optional[int] = non_negative(None)
+    slow_seconds: float = non_negative(0.5)
     # SIGTERM, SIGINT or SIGHUP to `parakit train`: finish the step, save it, then stop (Megatron-LM's
     # --exit-signal-handler); a second signal stops at once. false: every rank stops at once.
     save_on_stop: bool = False

@@ -115,6 +115,14 @@ def inject_step_faults(fault: FaultConfig, step: int) -> None:
         raise torch.OutOfMemoryError(f"fault injection: CUDA out of memory on rank {rank} at step {step}")
 
 
+def slow_down(fault: FaultConfig, timers, step: int) -> None:
+    """train.fault.slow_rank computes fault.slow_seconds longer at every step: a sleep counted as its
+    compute (`timers`: the step's ComputeTimers), as a slow GPU or a throttled node would show."""
+    if fault.slow_rank == torch.distributed.get_rank():
+        with timers.timing():
+            time.sleep(fault.slow_seconds)
+
+
 def corrupt(directory: Path) -> None:
     """Damage the largest file of a published checkpoint (flip bytes in place)."""
     target = max(

@@ -19,12 +19,13 @@ import torch
 from toolkit.config.schema import Config
 from toolkit.plan.layout import Layout
 from toolkit.train.checkpoint import Resume, refuse_to_start_over
-from toolkit.train.faults import Watchdog, first_attempt, inject_step_faults
+from toolkit.train.faults import Watchdog, first_attempt, inject_step_faults, slow_down
 from toolkit.train.metrics import Metrics
 from toolkit.train.preemption import Preemption
 from toolkit.train.probe import ComputeTimers, MemoryProbe, gather_ranks
 from toolkit.train.save_schedule import SaveSchedule
 from toolkit.train.step_profiler import StepProfiler
+from toolkit.train.stragglers import StragglerWatch
 
 
 @dataclass
@@ -152,6 +153,7 @@ def train(
     nan_policy = NanPolicy(cfg, root, backend_name)
     preemption = Preemption(run_dir)
     profiler = StepProfiler(cfg.train, run_dir, enabled=_rank() == 0)
+    stragglers = StragglerWatch(fault, layout)
     try:
         for step in range(resume.step + 1, layout.last_step + 1):
             with profiler.step(step):
@@ -159,7 +161,11 @@ def train(
                 poison = fault.nan_at_step == step and first_attempt()
                 steps.compute.reset()  # evaluation's forward passes are not the step's
                 grads = steps.forward_backward(step, poison, watchdog.beat)
+                slow_down(fault, steps.compute, step)
                 compute_s.append(steps.compute.seconds)
+                window = stragglers.step_done(step, compute_s[-1])
+                if window and window["slow_ranks"]:
+                    metrics.slow_ranks(step, window)
                 problem = nan_policy.problem(grads)
                 if problem:
                     nan_policy.check(problem, step, steps)

@@ -155,6 +155,23 @@ class Metrics:
             )
         return f"RSS {record['memory_gib']:.2f} GiB (planner {self.predicted_memory:.2f} GiB of tensors)"
 
+    def slow_ranks(self, step: int, window: dict) -> None:
+        """Ranks slower than their peers over a window of steps (toolkit.train.stragglers): a
+        metrics.jsonl record and a console line each."""
+        if not self.enabled:
+            return
+        self._jsonl.write(json.dumps({"step": step, **window}) + "\n")
+        self._jsonl.flush()
+        first, last = window["steps"]
+        for r in window["slow_ranks"]:
+            line = (
+                f"step {step:>5}/{self.layout.steps} | slow rank {r['rank']} (host {r['host']}, local rank "
+                f"{r['local_rank']}, pipeline stage {r['stage']}): {r['compute_s']:.3g} s of compute per step over "
+                f"steps {first}-{last}, {r['over']:.0%} over its stage's other ranks (median {r['median_s']:.3g} s)"
+            )
+            (self._bar.write if self._bar is not None else print)(line)
+        sys.stdout.flush()
+
     def evaluated(self, step: int, val_loss: float) -> None:
         """A validation loss: its own metrics.jsonl record, TensorBoard val/loss, a console line.
         The time evaluation took is not charged to the next step."""
