@@ -705,6 +705,10 @@ class TrainConfig:
     # start-up and the first two steps, which it slows); sweeps turn it on. GPUs always record
     # the allocator's peak.
     profile_memory: bool = False
+    # GPUs: the caching allocator's last N allocations and frees (with Python stacks) are kept, and a
+    # rank that runs out of memory dumps them into <run dir>/oom/ beside the planner's terms
+    # (toolkit.train.oom). 0: nothing recorded.
+    oom_history: int = non_negative(100_000)
     # torch.profiler over steps profile_step_start to profile_step_end (exclusive; null: one step) on
     # rank 0, as Megatron-LM's --profile-step-start/--profile-step-end: <run dir>/profile/ gets a
     # Chrome trace and each step's summary (on a GPU: kernel time by kind, and how long the device

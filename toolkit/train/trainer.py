@@ -12,7 +12,7 @@ from pathlib import Path
 from toolkit.config.schema import Config
 from toolkit.plan.backends import backend_of
 from toolkit.plan.validate import check
-from toolkit.train import loop
+from toolkit.train import loop, oom
 from toolkit.train.backends import trainer_module
 
 # Upstream notices that say nothing about this run (missing optional kernels on CPU, API
@@ -69,6 +69,7 @@ def run(cfg: Config, run_dir: Path) -> list[float]:
     layout, _ = check(cfg, installed=importable)  # on every node that trains
     backend = backend_of(cfg)
     memory = MemoryProbe(profile_tensors=cfg.train.profile_memory)  # before the model exists
+    oom.record_history(cfg)
     steps = trainer_module(backend.name).setup(cfg, layout)
     return loop.train(cfg, layout, run_dir, steps, backend.name, memory)
 
@@ -76,9 +77,12 @@ def run(cfg: Config, run_dir: Path) -> list[float]:
 def run_to_exit_code(cfg: Config, run_dir: Path) -> int:
     """Train; a non-finite loss that stops the run (train.fault.nan_action=stop), Hugging Face
     weights that do not fit the model, or a checkpoint this layout cannot resume from, are
-    reported in one line, not as a traceback: 1; a configuration this node cannot train (a
+    reported in one line, not as a traceback, and running out of memory with what held it
+    (toolkit.train.oom): 1; a configuration this node cannot train (a
     package it lacks) with its errors: 2. Under torchrun the launcher prints that line once for
     every rank (toolkit.train.rank_errors)."""
+    import torch
+
     from toolkit.formats.hf_arch import HfConfigError
     from toolkit.plan.validate import ValidationError
     from toolkit.train import rank_errors
@@ -91,5 +95,8 @@ def run_to_exit_code(cfg: Config, run_dir: Path) -> int:
         return 2
     except (FloatingPointError, HfConfigError, ResumeError) as error:  # what and the fix
         rank_errors.known(str(error))
+        return 1
+    except torch.OutOfMemoryError as error:  # what held the memory, the planner's terms and a fix
+        rank_errors.known(oom.report(cfg, run_dir, error))
         return 1
     return 0
