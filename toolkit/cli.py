@@ -234,6 +234,8 @@ def _generate(cfg, opts) -> int:
 
 
 def _train(cfg, opts) -> int:
+    if opts.verbose:  # the ranks inherit it (toolkit.train.console)
+        os.environ["PARAKIT_VERBOSE"] = "1"
     written = _write_run_dir("train", cfg, starts_ranks=cfg.cluster.nodes == 1 and not opts.dry_run)
     if written is None:
         return 2
@@ -703,6 +705,14 @@ COMMANDS = {
                     ("--detach",),
                     dict(action="store_true", help="several nodes: submit the job and return (do not follow its logs)"),
                 ),
+                Option(
+                    ("--verbose",),
+                    dict(
+                        action="store_true",
+                        help="show other libraries' INFO logs and prints on the console too (always in the run's "
+                        "parakit.log and logs/rankR.log)",
+                    ),
+                ),
             ),
             writes=True,
         ),
@@ -861,6 +871,9 @@ def _run_hydra_app(command: Command, opts: argparse.Namespace, args: list[str]) 
     codes = [0]  # one per job: a multirun exits with the worst
 
     def task(cfg_node) -> int:
+        from toolkit.train.console import quiet_console
+
+        quiet_console()  # after Hydra's job logging: other libraries' INFO to the run's log file only
         try:
             cfg = to_config(cfg_node)
         except HfConfigError as e:  # a bad model.hf_path under model=hf: one line, no traceback

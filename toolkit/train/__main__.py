@@ -16,6 +16,7 @@ from pathlib import Path
 from toolkit.config.store import load_run_config
 from toolkit.plan.validate import ValidationError
 from toolkit.train import rank_errors
+from toolkit.train.console import log_rank_to_file
 from toolkit.train.trainer import quiet_upstream_notices, run_to_exit_code
 
 
@@ -30,6 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     )
     args = parser.parse_args(argv)
     quiet_upstream_notices()
+    log_rank_to_file(args.config_dir, int(os.environ.get("RANK", "0")))
     from toolkit.train.distributed import detach_resource_tracker, end_helper_processes, end_helpers_on_sigterm
 
     detach_resource_tracker()

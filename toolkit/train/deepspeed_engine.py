@@ -24,6 +24,7 @@ from toolkit.plan.lr_schedule import LRSchedule, lr_schedule
 from toolkit.train import checkpoint as ckpt
 from toolkit.train import deepspeed_checkpoint
 from toolkit.train.checkpoint import Resume
+from toolkit.train.console import prints_logged
 from toolkit.train.distributed import end_process_group
 from toolkit.train.loop import Update
 from toolkit.train.probe import ComputeTimers
@@ -172,12 +173,13 @@ def initialize_engine(deepspeed, module: torch.nn.Module, cfg: Config, layout: L
     from toolkit.train.eager_imports import import_without_compiling
 
     import_without_compiling("deepspeed.runtime.zero.muon.muon_optimizer")  # its ZeRO optimizer check imports it
-    engine, _, _, _ = deepspeed.initialize(
-        model=module,
-        model_parameters=optimizer_groups(module, cfg.optim.weight_decay),
-        config=ds_json,
-        lr_scheduler=partial(ScheduledLR, schedule=lr_schedule(cfg, layout)),
-    )
+    with prints_logged("deepspeed"):  # its memory report per optimizer group: the log files, not the console
+        engine, _, _, _ = deepspeed.initialize(
+            model=module,
+            model_parameters=optimizer_groups(module, cfg.optim.weight_decay),
+            config=ds_json,
+            lr_scheduler=partial(ScheduledLR, schedule=lr_schedule(cfg, layout)),
+        )
     return engine
 
 

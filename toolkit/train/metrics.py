@@ -7,8 +7,10 @@ measured ones.
 
 from __future__ import annotations
 
+import datetime
 import json
 import math
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -142,10 +144,20 @@ class Metrics:
                 + f"lr {lr:.3e} | grad norm "
                 f"{grad_norm if grad_norm is None else f'{grad_norm:.3f}'} | {record['step_time_s']:.2f} s "
                 f"(planner {self.predicted_step:.2g} s) | {record['tokens_per_s']:,.0f} tok/s | "
-                f"{record['tflops_per_gpu']:.3g} TFLOP/s/GPU | MFU {record['mfu']:.1%} | " + self._memory_text(record)
+                f"{record['tflops_per_gpu']:.3g} TFLOP/s/GPU | MFU {record['mfu']:.1%} | "
+                + self._memory_text(record)
+                + self._eta(step)
             )
             (self._bar.write if self._bar is not None else print)(line)
             sys.stdout.flush()
+
+    def _eta(self, step: int) -> str:
+        """The time the remaining steps take at the median of the last ten steps' times."""
+        left = self.layout.last_step - step
+        if not left:
+            return ""
+        recent = statistics.median(r["step_time_s"] for r in self.history[-10:])
+        return f" | ETA {datetime.timedelta(seconds=round(left * recent))}"
 
     def _memory_text(self, record: dict) -> str:
         if "memory_reserved_gib" in record:
