@@ -766,6 +766,29 @@ def _parser(command: Command) -> argparse.ArgumentParser:
     return parser
 
 
+def command_reference() -> str:
+    """Every command's usage, description and options as `--help` prints them (at 100 columns):
+    docs/commands.md (scripts/gen_reference_docs.py writes it); a test keeps it current."""
+    columns = os.environ.get("COLUMNS")
+    os.environ["COLUMNS"] = "100"  # argparse wraps at the terminal's width
+    try:
+        sections = [
+            f"## `parakit {c.name}`\n\n```\n{_parser(c).format_help().rstrip()}\n```" for c in COMMANDS.values()
+        ]
+    finally:
+        if columns is None:
+            os.environ.pop("COLUMNS")
+        else:
+            os.environ["COLUMNS"] = columns
+    intro = (
+        "# Command reference\n\nGenerated from parakit's argument parsers by `python scripts/gen_reference_docs.py`; "
+        "tests/test_reference_docs.py fails when it is out of date. Every command that composes a "
+        "configuration also takes Hydra overrides (docs/configuration.md lists the fields), and its "
+        "`--help` lists the config groups with their choices.\n"
+    )
+    return intro + "\n" + "\n\n".join(sections) + "\n"
+
+
 def _help(parser: argparse.ArgumentParser, dirs: list[Path]) -> str:
     from toolkit.config.store import group_options
 
