@@ -188,3 +188,18 @@ def test_gpu_branches_on_cpu():
     got = subprocess.run([sys.executable, "-c", SCRIPT], capture_output=True, text=True, timeout=300)
     assert got.returncode == 0, got.stdout + got.stderr[-3000:]
     assert "megatron fused cross-entropy ok" in got.stdout and "deepspeed liger ok" in got.stdout
+
+
+def test_gpu_checks_kernels_run_takes_the_largest_micro_batch_that_fits_the_card():
+    """The H200's DeepSpeed run with the reference kernels (micro-batch 4) reserved 91 GiB: on an
+    80 GB H100 gpu_check's kernels step runs micro-batch 2."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parent.parent / "scripts" / "gpu_check.py"
+    spec = importlib.util.spec_from_file_location("gpu_check", path)
+    gpu_check = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(gpu_check)
+    for cluster, micro in (("1xh200", 4), ("8xh100", 2)):
+        overrides = [o if not o.startswith("cluster=") else f"cluster={cluster}" for o in gpu_check.GPU[0]]
+        assert gpu_check.kernels_micro_batch([*overrides, *gpu_check.KERNELS_GPU[0]]) == micro, cluster
