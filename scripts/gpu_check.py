@@ -1,5 +1,6 @@
 """The first run on a GPU: what parakit measures on one NVIDIA GPU beside what its planner predicts,
-in one JSON file, each step under its own timeout (about 11 minutes in all).
+in one JSON file, each step under its own timeout (about 11 minutes in all: with 15 minutes of
+device time, `--only` a few steps at a time).
 
     bash scripts/gpu_check.sh                 # on the GPU machine: installs .whl/ first (scripts/build_gpu_wheels.sh)
     python scripts/gpu_check.py --cpu         # the same steps at toy size on CPU (the tests run it)
@@ -33,7 +34,7 @@ on the datasheet cluster it ran with (GPU: the conf/cluster file of its model, 1
 and on the probed one (OUT/probe's cluster file, the run's node size).
 Results go to OUT/gpu_check.json (rewritten after every step) and every step's output to
 OUT/gpu_check.log; OUT is --out, else $OUT, else a new temporary directory. `--only a,b` runs
-those steps alone (all of them: 720 s of fixed limits plus the megatron step's budget on a GPU).
+those steps alone (all of them: 840 s of fixed limits plus the megatron step's budget on a GPU).
 """
 
 from __future__ import annotations
@@ -564,8 +565,9 @@ def main(argv: list[str] | None = None) -> int:
         "probe": (300 if args.cpu else 120, lambda t: probe(check, t)),
         "megatron": (None, lambda t: megatron_resume(check, size, t)),  # megatron_budget, after the probe
         **{f"deepspeed_zero{zero}": (90, lambda t, zero=zero: deepspeed_run(check, size, zero, t)) for zero in (1, 3)},
-        # four runs: on a GPU each ~30 s to start and 10 steps of ~2.6 s
-        "kernels": (240, lambda t: kernels_runs(check, size, t)),
+        # four runs: on a GPU each ~30 s to start, 10 steps of ~2.6 s, and the first step's compiles
+        # (torch.compile's fused cross-entropy, Liger's Triton kernels)
+        "kernels": (360, lambda t: kernels_runs(check, size, t)),
         "bench_overhead": (80, lambda t: bench_overhead(check, t)),
         "fused_adam_build": (60, lambda t: check.worker("fused_adam_build", t)),
     }
