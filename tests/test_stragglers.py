@@ -50,3 +50,12 @@ def test_the_slow_rank_drill_is_found_on_two_ranks(tmp_path):
         assert (slow["rank"], slow["local_rank"], slow["stage"]) == (1, 1, 0) and slow["over"] > 0.2
         assert slow["compute_s"] - slow["median_s"] > 0.4  # the drill's half second a step
     assert "slow rank 1 (host " in result.stdout and "pipeline stage 0" in result.stdout
+
+
+def test_a_drill_on_a_rank_the_job_does_not_have_is_refused(compose):
+    from toolkit.plan.validate import validate
+
+    report = validate(compose("model=tiny", "cluster.gpus_per_node=2", "train.fault.slow_rank=2"))
+    (error,) = [e for e in report.errors if e.rule == "fault_rank"]
+    assert "0..1" in error.fix and "train.fault.slow_rank" in error.fix
+    assert not [e for e in validate(compose("model=tiny", "train.fault.kill_rank=3")).errors if e.rule == "fault_rank"]

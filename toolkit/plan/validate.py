@@ -97,6 +97,7 @@ _ERROR_RULES: tuple[Callable[[Config], Iterator[Violation]], ...] = (
     training.checkpoint,
     training.profile,
     training.kernels,
+    training.fault_ranks,
 )
 
 

@@ -7,7 +7,7 @@ from typing import Iterator
 
 from toolkit.config.schema import Config
 from toolkit.plan.backends import kernels_of
-from toolkit.plan.layout import stage_layer_counts
+from toolkit.plan.layout import stage_layer_counts, world_size
 from toolkit.plan.rules.base import Violation, divisors, err, listing, warn
 
 
@@ -125,3 +125,17 @@ def kernels_kept(cfg: Config) -> Iterator[Violation]:
             f"{why}: the run computes with {resolved.names['layers']} and {resolved.names['loss']}",
             "nothing to change for the run; set train.kernels=auto to silence this",
         )
+
+
+def fault_ranks(cfg: Config) -> Iterator[Violation]:
+    """A fault drill names a rank of the job (else it never fires and the drill passes unseen)."""
+    fault, world = cfg.train.fault, world_size(cfg)
+    for name in ("kill_rank", "stall_rank", "oom_rank", "slow_rank"):
+        rank = getattr(fault, name)
+        if rank is not None and rank >= world:
+            yield err(
+                "fault_rank",
+                {f"train.fault.{name}": rank, "ranks": world},
+                f"the job has ranks 0..{world - 1}: the drill would never fire",
+                f"set train.fault.{name} in 0..{world - 1}",
+            )
