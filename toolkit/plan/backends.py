@@ -126,8 +126,8 @@ class FusedKernels:
     reference_loss: str
     layers_blocked: Callable[[KernelSetting], str | None]  # why a configuration cannot have the fused layers
     loss_blocked: Callable[[KernelSetting], str | None]
-    layer_traits: dict  # Backend fields under the fused layers
-    loss_traits: dict  # ... and under the fused loss
+    layer_traits: tuple[tuple[str, object], ...]  # (Backend field, value) under the fused layers
+    loss_traits: tuple[tuple[str, object], ...]  # ... and under the fused loss
 
 
 # Liger's kernels are Triton's (liger-kernel's optional extra "gpu" of parakit: pyproject.toml).
@@ -332,12 +332,12 @@ MEGATRON = Backend(
             else f"megatron-core's fused cross-entropy returns bf16 gradients (precision.dtype={s.dtype})"
         ),
         # the fused layers' bytes are the planner's fused count either way (eager_layers above)
-        layer_traits={},
+        layer_traits=(),
         # torch-compiled in three forward functions and one backward (megatron-core
         # fusions/fused_cross_entropy.py): the max with the upcast, subtract-exp-sum in place (read and
         # write), the division (read and write), the gradient in place (read and write) and its
         # downcast: 5 fp32 passes beside the upcast and downcast (9 unfused). Memory as unfused.
-        loss_traits={"loss_logit_passes": 5},
+        loss_traits=(("loss_logit_passes", 5),),
     ),
     # every rank writes its own shards; another tp/pp/vpp/cp/ep converts once (toolkit.train.megatron_reshard)
     checkpoint_format="megatron-core dist_checkpointing, fully parallel, dp_reshardable (loads at any layout)",
@@ -424,19 +424,19 @@ DEEPSPEED = Backend(
         loss_blocked=lambda s: _liger_loss_blocked(s),
         # Liger's RMSNorm keeps its 16-bit input and a per-row rstd, its SwiGLU the two inputs (the
         # activation recomputed in backward), each one Triton kernel: the fused count of bytes
-        layer_traits={"eager_layers": False, "eager_norm_activations": False},
+        layer_traits=(("eager_layers", False), ("eager_norm_activations", False)),
         # Liger ops/fused_linear_cross_entropy.py: per chunk of tokens, the chunk's logits GEMM, one
         # Triton kernel that reads each row twice (online max and sum, then the gradient written in
         # place) at the logits' dtype, and the input and weight gradients' GEMMs in the forward pass
-        loss_traits={
-            "loss_logit_passes": 3,
-            "loss_fresh_logits": 0,
-            "loss_upcasts": False,
-            "loss_chunked": True,
-            "loss_keeps_upcast": False,
-            "loss_fp32_logits": 0,
-            "holds_previous_logits": False,
-        },
+        loss_traits=(
+            ("loss_logit_passes", 3),
+            ("loss_fresh_logits", 0),
+            ("loss_upcasts", False),
+            ("loss_chunked", True),
+            ("loss_keeps_upcast", False),
+            ("loss_fp32_logits", 0),
+            ("holds_previous_logits", False),
+        ),
     ),
     checkpoint_format="DeepSpeed engine checkpoint (zero_to_fp32 consolidates it)",
     async_save=False,
@@ -533,7 +533,7 @@ def backend_of(cfg) -> Backend:
 @functools.lru_cache(maxsize=None)  # a few descriptions, asked for by every layout the search prices
 def _with_kernels(name: str, layers: bool, loss: bool) -> Backend:
     backend = backend_named(name)
-    traits = {**(backend.fused.layer_traits if layers else {}), **(backend.fused.loss_traits if loss else {})}
+    traits = dict((backend.fused.layer_traits if layers else ()) + (backend.fused.loss_traits if loss else ()))
     return dataclasses.replace(backend, **traits) if traits else backend
 
 
