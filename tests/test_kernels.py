@@ -94,9 +94,9 @@ def test_liger_loss_holds_its_chunks_not_the_logits():
 
 
 def backend_of_kernels(name: str, loss: bool):
-    from toolkit.plan.backends import _with_kernels
+    from toolkit.plan.backends import _with_kernels, backend_named
 
-    return _with_kernels(name, False, loss)
+    return _with_kernels(backend_named(name), False, loss)
 
 
 def test_the_planner_follows_the_kernels(compose):

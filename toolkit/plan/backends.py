@@ -482,14 +482,15 @@ class Kernels:
 def kernels_of(cfg) -> Kernels:
     """train.kernels resolved for the configuration's backend and cluster: `auto` fuses on GPUs."""
     m = cfg.model
+    # the fields as they are: StrEnum members hash and compare as their text
     setting = KernelSetting(
-        str(cfg.backend.name),
-        str(cfg.train.kernels),
-        str(cfg.cluster.device),
-        str(cfg.precision.dtype),
+        cfg.backend.name,
+        cfg.train.kernels,
+        cfg.cluster.device,
+        cfg.precision.dtype,
         cfg.zero.stage,
         cfg.parallel.pp,
-        str(m.family),
+        m.family,
         m.moe.num_experts or 0,
     )
     return _resolved(setting)
@@ -526,15 +527,25 @@ def backend_named(name: str) -> Backend:
 def backend_of(cfg) -> Backend:
     """The description of the configuration's backend (`backend.name`), with the traits of the
     kernels train.kernels resolves to (kernels_of)."""
+    backend = backend_named(cfg.backend.name)
     kernels = kernels_of(cfg)
-    return _with_kernels(str(cfg.backend.name), kernels.layers, kernels.loss)
+    if not (kernels.layers or kernels.loss):
+        return backend
+    return _with_kernels(backend, kernels.layers, kernels.loss)
 
 
-@functools.lru_cache(maxsize=None)  # a few descriptions, asked for by every layout the search prices
-def _with_kernels(name: str, layers: bool, loss: bool) -> Backend:
-    backend = backend_named(name)
-    traits = dict((backend.fused.layer_traits if layers else ()) + (backend.fused.loss_traits if loss else ()))
-    return dataclasses.replace(backend, **traits) if traits else backend
+# (id of a description, layers, loss) -> (that description, it with the fused kernels' traits): the
+# layout search asks for the same few for every layout it prices
+_FUSED: dict[tuple[int, bool, bool], tuple[Backend, Backend]] = {}
+
+
+def _with_kernels(backend: Backend, layers: bool, loss: bool) -> Backend:
+    key = (id(backend), layers, loss)
+    kept = _FUSED.get(key)
+    if kept is None or kept[0] is not backend:  # a description replaced since (tests swap them)
+        traits = dict((backend.fused.layer_traits if layers else ()) + (backend.fused.loss_traits if loss else ()))
+        kept = _FUSED[key] = (backend, dataclasses.replace(backend, **traits))
+    return kept[1]
 
 
 def packages_needed(cfg) -> list[Package]:
