@@ -44,17 +44,6 @@ def quiet_console() -> None:
             handler.addFilter(OtherLibrariesInfo())
 
 
-def quiet_own_logger(name: str) -> None:
-    """A library logger that prints on its own handler instead of propagating (DeepSpeed's
-    "DeepSpeed"): its terminal lines filtered the same way, its records also in the root's files."""
-    logger = logging.getLogger(name)
-    for handler in _terminal_handlers(logger):
-        handler.addFilter(lambda record: record.levelno >= logging.WARNING or verbose())
-    for handler in logging.getLogger().handlers:
-        if isinstance(handler, logging.FileHandler) and handler not in logger.handlers:
-            logger.addHandler(handler)
-
-
 def log_rank_to_file(run_dir: Path, rank: int) -> None:
     """A rank under torchrun: every record at INFO and above to RUN_DIR/logs/rankR.log, and the
     terminal's share (stderr) filtered."""
