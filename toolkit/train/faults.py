@@ -115,7 +115,7 @@ def inject_step_faults(fault: FaultConfig, step: int) -> None:
         raise torch.OutOfMemoryError(f"fault injection: CUDA out of memory on rank {rank} at step {step}")
 
 
-def slow_down(fault: FaultConfig, timers, step: int) -> None:
+def slow_down(fault: FaultConfig, timers) -> None:
     """train.fault.slow_rank computes fault.slow_seconds longer at every step: a sleep counted as its
     compute (`timers`: the step's ComputeTimers), as a slow GPU or a throttled node would show."""
     if fault.slow_rank == torch.distributed.get_rank():

@@ -161,7 +161,7 @@ def train(
                 poison = fault.nan_at_step == step and first_attempt()
                 steps.compute.reset()  # evaluation's forward passes are not the step's
                 grads = steps.forward_backward(step, poison, watchdog.beat)
-                slow_down(fault, steps.compute, step)
+                slow_down(fault, steps.compute)
                 compute_s.append(steps.compute.seconds)
                 window = stragglers.step_done(step, compute_s[-1])
                 if window and window["slow_ranks"]:

@@ -51,11 +51,11 @@ def report(cfg: Config, run_dir: Path, error: BaseException) -> str:
         torch.cuda.memory._dump_snapshot(str(snapshot))
         allocated, reserved = torch.cuda.max_memory_allocated(), torch.cuda.memory_reserved()
         capacity = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
-        needed = allocated + requested_bytes(str(error))
+        requested = requested_bytes(str(error))
+        needed = allocated + requested
         lines.append(
             f"  the allocator held at most {allocated / GIB:.2f} GiB of tensors, {reserved / GIB:.2f} GiB reserved, "
-            f"of the device's {capacity / GIB:.2f} GiB; the failed request wanted "
-            f"{requested_bytes(str(error)) / GIB:.2f} GiB more"
+            f"of the device's {capacity / GIB:.2f} GiB; the failed request wanted {requested / GIB:.2f} GiB more"
         )
         lines.append(f"  the allocator's history and blocks: {snapshot} (open it at https://pytorch.org/memory_viz)")
     else:
