@@ -1,7 +1,8 @@
 """Training on your own data, end to end: a 4 MB jsonl corpus, a tokenizer that is not GPT-2 with
 76,000 tokens, prepared by `parakit data prepare` (tests/conftest.py prepared_corpus), trained
 with a validation loss that falls, and resumed after a rank dies (torchrun restarts the job from
-the newest checkpoint); the DeepSpeed backend trains on it in tests/test_train_deepspeed.py.
+the newest checkpoint); the DeepSpeed backend trains on it in tests/test_train_deepspeed.py. The
+run logs to TensorBoard, W&B (offline) and MLflow (its SQLite store), read back here.
 
 On megatron rank 1 dies at the start of step 12, torchrun restarts the
 ranks, they resume from the step-8 checkpoint and finish. Both attempts print every step's loss, so steps
@@ -15,6 +16,7 @@ import re
 
 import pytest
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from tracker_logs import mlflow_runs, tensorboard_scalars, wandb_runs
 from training_runs import Trained, run
 
 pytestmark = pytest.mark.slow
@@ -51,12 +53,14 @@ KILLED = [
 
 
 def test_own_corpus_trains_on_megatron_with_falling_validation_loss_and_resumes(tmp_path, prepared_corpus):
-    result = run(tmp_path, "megatron", *common(prepared_corpus), "parallel.tp=2", *KILLED)
+    loggers = "train.loggers=[tensorboard,wandb,mlflow]"  # metrics.jsonl is written in any case
+    result = run(tmp_path, "megatron", *common(prepared_corpus), "parallel.tp=2", *KILLED, loggers)
     assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
     trained = Trained(result.run_dir)
     assert "data: corpus (" in result.stdout and "tokenizer " in result.stdout and "vocab 76,000" in result.stdout
     assert_resumed_exactly(trained, result.stdout)
     assert_validation_falls(trained, result.run_dir)
+    assert_trackers_have_metrics_jsonl(trained, result.run_dir)
 
 
 def assert_validation_falls(trained: Trained, run_dir) -> None:
@@ -73,6 +77,43 @@ def assert_validation_falls(trained: Trained, run_dir) -> None:
     assert sorted(logged) == [r["step"] for r in evaluations]
     assert all(abs(logged[r["step"]] - r["val_loss"]) < 1e-5 for r in evaluations)
     assert [r["step"] for r in trained.records] == list(range(1, STEPS + 1))
+
+
+SCALARS = {
+    "train/loss": "loss",
+    "train/lr": "lr",
+    "train/grad_norm": "grad_norm",
+    "train/step_time_s": "step_time_s",
+    "train/tokens_per_s": "tokens_per_s",
+    "train/mfu": "mfu",
+    "train/memory_gib": "memory_gib",
+    "planner/step_time_s": "predicted_step_time_s",
+    "planner/memory_gib": "predicted_memory_gib",
+}
+
+
+def assert_trackers_have_metrics_jsonl(trained: Trained, run_dir) -> None:
+    """TensorBoard, W&B and MLflow hold metrics.jsonl's values under the same names: the first
+    attempt's W&B and MLflow runs up to the checkpoint it resumed from (at least), the resumed
+    attempt's runs from there on; TensorBoard's one log, every step (a repeated step replaces)."""
+    steps = {r["step"]: r for r in trained.records}
+    validation = {r["step"]: r["val_loss"] for r in trained.evaluations}
+    board = tensorboard_scalars(run_dir)
+    for name, key in SCALARS.items():
+        assert board[name] == pytest.approx({s: r[key] for s, r in steps.items()}, rel=1e-6), name  # float32
+    assert board["val/loss"] == pytest.approx(validation, rel=1e-6)
+    name = run_dir.name
+    for tracker, runs in [("wandb", wandb_runs(run_dir)), ("mlflow", mlflow_runs(run_dir))]:
+        assert list(runs) == [name, f"{name}-from-step-{SAVE_EVERY}"], (tracker, list(runs))
+        first, resumed = (runs[n]["scalars"] for n in runs)
+        for scalar, key in SCALARS.items():
+            assert resumed[scalar] == {s: r[key] for s, r in steps.items() if s > SAVE_EVERY}, (tracker, scalar)
+            kept = {s: v for s, v in first[scalar].items() if s <= SAVE_EVERY}
+            assert kept == {s: r[key] for s, r in steps.items() if s <= SAVE_EVERY}, (tracker, scalar)
+        assert {**first["val/loss"], **resumed["val/loss"]} == validation, tracker
+    params = mlflow_runs(run_dir)[name]["params"]
+    assert params["train.steps"] == str(STEPS) and params["parallel.tp"] == "2", params
+    assert wandb_runs(run_dir)[name]["params"]["train"]["eval_interval"] == EVAL_EVERY
 
 
 def assert_resumed_exactly(trained: Trained, stdout: str) -> None:

@@ -42,7 +42,8 @@ def _dedent(lines: list[str]) -> list[str]:
 
 def _type_name(annotation) -> str:
     if isinstance(annotation, str):
-        return annotation.replace("Optional[", "").rstrip("]") + (" or null" if "Optional[" in annotation else "")
+        optional = annotation.startswith("Optional[")
+        return annotation.removeprefix("Optional[")[: -1 if optional else None] + " or null" * optional
     return getattr(annotation, "__name__", str(annotation))
 
 
@@ -50,6 +51,9 @@ def _bounds(field: dataclasses.Field, annotation) -> str:
     base = typing.get_args(annotation)[0] if typing.get_origin(annotation) is typing.Union else annotation
     if isinstance(base, type) and issubclass(base, enum.Enum):
         return "one of " + ", ".join(m.value for m in base)
+    item = typing.get_args(base)[0] if typing.get_origin(base) is list else None
+    if isinstance(item, type) and issubclass(item, enum.Enum):
+        return "each one of " + ", ".join(m.value for m in item)
     bounds = field.metadata.get("bounds")
     if bounds is None:
         return ""

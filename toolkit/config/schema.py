@@ -183,6 +183,20 @@ class KernelChoice(StrEnum):
     reference = "reference"  # the plain PyTorch operations, one kernel each
 
 
+class Logger(StrEnum):
+    """Where a run's scalars go (toolkit.train.trackers)."""
+
+    jsonl = "jsonl"  # <run dir>/metrics.jsonl, parakit's own record: written in any case (reports and resume read it)
+    tensorboard = "tensorboard"  # <run dir>/tensorboard/
+    wandb = "wandb"  # Weights & Biases (package wandb)
+    mlflow = "mlflow"  # MLflow (package mlflow-skinny)
+
+
+class WandbMode(StrEnum):
+    offline = "offline"  # written under <run dir>/wandb/: `wandb sync` uploads it later
+    online = "online"  # streamed to the W&B server (WANDB_API_KEY or `wandb login`)
+
+
 class NanAction(StrEnum):
     skip = "skip"
     stop = "stop"
@@ -715,6 +729,24 @@ class TrainConfig:
     # waited for the host). null: no profile.
     profile_step_start: Optional[int] = at_least_one(None)
     profile_step_end: Optional[int] = at_least_one(None)
+    # Where the scalars go besides the console (toolkit.train.trackers): the same ones everywhere (loss,
+    # lr, grad norm, tokens/s, MFU, memory, validation, the planner's predictions), with the resolved
+    # config as the run's parameters; a resumed run is a new tracker run in the same group.
+    loggers: list[Logger] = field(default_factory=lambda: [Logger.jsonl, Logger.tensorboard])
+    tracker_project: str = a_name("parakit")  # the W&B project and the MLflow experiment
+    wandb_entity: Optional[str] = a_name(None)  # the W&B team or user; null: the account's default
+    # offline: into <run dir>/wandb/, uploaded later by `wandb sync`; online: to the W&B server
+    wandb_mode: WandbMode = WandbMode.offline
+    # null: $MLFLOW_TRACKING_URI if set, else sqlite:///<run dir>/mlflow.db (`mlflow ui --backend-store-uri` it)
+    mlflow_tracking_uri: Optional[str] = _bounded(
+        None,
+        Bounds(
+            "must be an MLflow tracking URI on one line (http://HOST:5000, sqlite:///PATH, databricks)",
+            "remove the newlines and control characters from {path}",
+            pattern=r"[^\x00-\x1f\x7f]+",
+            rule="uri",
+        ),
+    )
     fault: FaultConfig = field(default_factory=FaultConfig)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 import dataclasses
 import difflib
 import functools
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from enum import StrEnum
@@ -548,9 +549,51 @@ def _with_kernels(backend: Backend, layers: bool, loss: bool) -> Backend:
     return kept[1]
 
 
+def _logs_to(tracker: str) -> Callable[[object], bool]:
+    return lambda cfg: tracker in map(str, cfg.train.loggers)
+
+
+def _mlflow_sqlite(cfg) -> bool:
+    """MLflow's SQLite store (parakit's default: toolkit.train.trackers.mlflow_tracking_uri) is SQLAlchemy's."""
+    uri = cfg.train.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:"
+    return _logs_to("mlflow")(cfg) and uri.startswith("sqlite:")
+
+
+# The trackers of train.loggers (parakit's optional extra "trackers": pyproject.toml).
+TRACKER_PACKAGES = (
+    Package(
+        module="wandb",
+        install="wandb==0.31.0",
+        field="train.loggers",
+        value="with wandb",
+        why="train.loggers' wandb is Weights & Biases' own package",
+        instead="drop wandb from train.loggers",
+        when=_logs_to("wandb"),
+    ),
+    Package(
+        module="mlflow",
+        install="mlflow-skinny==3.18.0",
+        field="train.loggers",
+        value="with mlflow",
+        why="train.loggers' mlflow is MLflow's own package",
+        instead="drop mlflow from train.loggers",
+        when=_logs_to("mlflow"),
+    ),
+    Package(
+        module="alembic",
+        install="alembic==1.20.1 sqlalchemy==2.0.59",
+        field="train.mlflow_tracking_uri",
+        value="a SQLite store (null: <run dir>/mlflow.db)",
+        why="MLflow's SQLite store is SQLAlchemy's, created by alembic",
+        instead="set train.mlflow_tracking_uri to an MLflow server (http://HOST:5000)",
+        when=_mlflow_sqlite,
+    ),
+)
+
+
 def packages_needed(cfg) -> list[Package]:
     """The packages the configuration's options need on the machines that train."""
-    return [package for package in backend_of(cfg).packages if package.needed(cfg)]
+    return [package for package in (*backend_of(cfg).packages, *TRACKER_PACKAGES) if package.needed(cfg)]
 
 
 def supporting(feature) -> list[str]:

@@ -168,6 +168,7 @@ def validate(
         warnings += list(comm.costly(cfg))
         warnings += list(training.profile_window(cfg))
         warnings += list(training.kernels_kept(cfg))
+        warnings += list(training.loggers(cfg))
         warnings += list(slow.slow_layouts(cfg, resolve(cfg)))
     return Report(tuple(errors), tuple(warnings), packages)
 

@@ -39,6 +39,9 @@ def _terminal_handlers(logger: logging.Logger) -> list[logging.Handler]:
 def quiet_console() -> None:
     """Filter the terminal's handlers of the root logger (where Hydra's job logging and
     megatron-core's loggers write); the file handlers keep everything."""
+    # MLflow gives its loggers a terminal handler of their own unless told not to (mlflow/__init__.py);
+    # set before any process of the run imports it (the validator's package check does)
+    os.environ.setdefault("MLFLOW_CONFIGURE_LOGGING", "false")
     for handler in _terminal_handlers(logging.getLogger()):
         if not any(isinstance(f, OtherLibrariesInfo) for f in handler.filters):
             handler.addFilter(OtherLibrariesInfo())

@@ -199,6 +199,9 @@ def train(
         profiler.close()
         metrics.close(run_dir, complete=False)
         raise
+    except BaseException:
+        metrics.abandon()
+        raise
     profiler.close()  # a window past the last step
     with watchdog.suspended():
         steps.settle_saves(blocking=True)

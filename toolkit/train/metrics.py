@@ -1,4 +1,5 @@
-"""Training metrics on rank 0: console/progress bar, TensorBoard events and metrics.jsonl.
+"""Training metrics on rank 0: console/progress bar, metrics.jsonl and the trackers of train.loggers
+(toolkit.train.trackers: TensorBoard, Weights & Biases, MLflow).
 
 Throughput uses the planner's FLOP count (toolkit.plan.flops), so measured TFLOP/s and MFU are
 comparable with `parakit plan`; the planner's predicted step time and memory sit beside the
@@ -7,6 +8,7 @@ measured ones.
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import json
 import math
@@ -28,6 +30,7 @@ from toolkit.plan.perf import estimate_step
 from toolkit.train.checkpoint import Resume
 from toolkit.train.distributed import local_restarts
 from toolkit.train.probe import stage_times
+from toolkit.train.trackers import Trackers, tracked
 
 
 def peak_memory_gib() -> dict:
@@ -74,7 +77,7 @@ class Metrics:
         self.predicted_total = memory.total / GIB
         self.history: list[dict] = []  # one record per step
         self.evaluations: list[dict] = []  # {"step", "val_loss", "val_ppl"} per evaluation
-        self._jsonl = self._tb = self._bar = None
+        self._jsonl = self._trackers = self._bar = None
         if enabled:
             run_dir.mkdir(parents=True, exist_ok=True)
             log = run_dir / "metrics.jsonl"
@@ -84,9 +87,7 @@ class Metrics:
                 self.history = [r for r in kept if "loss" in r]
                 self.evaluations = [r for r in kept if "val_loss" in r]
             self._jsonl = open(log, "a")
-            from torch.utils.tensorboard import SummaryWriter
-
-            self._tb = SummaryWriter(str(run_dir / "tensorboard"))
+            self._trackers = Trackers(cfg, run_dir, resume_step)
             if sys.stderr.isatty():
                 from tqdm import tqdm
 
@@ -129,9 +130,7 @@ class Metrics:
             return
         self._jsonl.write(json.dumps(record) + "\n")
         self._jsonl.flush()
-        for key in ("loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_gpu", "mfu", "memory_gib", *extra):
-            if record[key] is not None:
-                self._tb.add_scalar(f"train/{key}", record[key], step)
+        self._trackers.log(tracked(record, tuple(extra)), step)
         if self._bar is not None:
             self._bar.update(1)
             self._bar.set_postfix(loss=f"{loss:.4f}", lr=f"{lr:.2e}")
@@ -192,12 +191,19 @@ class Metrics:
         if self.enabled:
             self._jsonl.write(json.dumps(record) + "\n")
             self._jsonl.flush()
-            self._tb.add_scalar("val/loss", val_loss, step)
-            self._tb.add_scalar("val/ppl", record["val_ppl"], step)
+            self._trackers.log(tracked(record), step)
             line = f"step {step:>5}/{self.layout.steps} | validation loss {val_loss:.4f} | ppl {record['val_ppl']:.4g}"
             (self._bar.write if self._bar is not None else print)(line)
             sys.stdout.flush()
         self._last = time.perf_counter()
+
+    def abandon(self) -> None:
+        """A run that raised: the trackers' runs end marked failed (MLflow's would stay RUNNING), and a
+        tracker that fails to close does not hide the error."""
+        if self._trackers is not None:
+            with contextlib.suppress(Exception):
+                self._trackers.close(complete=False)
+            self._trackers = None
 
     def close(self, run_dir: Path, complete: bool = True, ranks: list[dict] | None = None) -> list[float]:
         """Flush everything; result.json only for a run that completed (it marks success), with
@@ -209,7 +215,8 @@ class Metrics:
         if self._bar is not None:
             self._bar.close()
         self._jsonl.close()
-        self._tb.close()
+        self._trackers.close(complete)
+        self._trackers = None
         if not complete:
             return losses
         summary = {

@@ -127,6 +127,19 @@ def kernels_kept(cfg: Config) -> Iterator[Violation]:
         )
 
 
+def loggers(cfg: Config) -> Iterator[Violation]:
+    """metrics.jsonl is parakit's own record, which `parakit report`, sweeps and resume read: written
+    whether train.loggers names it or not, and said where it does not."""
+    chosen = [str(logger) for logger in cfg.train.loggers]
+    if "jsonl" not in chosen:
+        yield warn(
+            "loggers",
+            {"train.loggers": "[" + ",".join(chosen) + "]"},
+            "the run writes metrics.jsonl in any case: `parakit report`, sweeps and resume read it",
+            "add jsonl to train.loggers to silence this",
+        )
+
+
 def fault_ranks(cfg: Config) -> Iterator[Violation]:
     """A fault drill names a rank of the job (else it never fires and the drill passes unseen)."""
     fault, world = cfg.train.fault, world_size(cfg)
