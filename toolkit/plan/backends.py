@@ -559,26 +559,22 @@ def _mlflow_sqlite(cfg) -> bool:
     return _logs_to("mlflow")(cfg) and uri.startswith("sqlite:")
 
 
+def _tracker(logger: str, install: str, whose: str) -> Package:
+    return Package(
+        module=logger,
+        install=install,
+        field="train.loggers",
+        value=f"with {logger}",
+        why=f"train.loggers' {logger} is {whose} own package",
+        instead=f"drop {logger} from train.loggers",
+        when=_logs_to(logger),
+    )
+
+
 # The trackers of train.loggers (parakit's optional extra "trackers": pyproject.toml).
 TRACKER_PACKAGES = (
-    Package(
-        module="wandb",
-        install="wandb==0.31.0",
-        field="train.loggers",
-        value="with wandb",
-        why="train.loggers' wandb is Weights & Biases' own package",
-        instead="drop wandb from train.loggers",
-        when=_logs_to("wandb"),
-    ),
-    Package(
-        module="mlflow",
-        install="mlflow-skinny==3.18.0",
-        field="train.loggers",
-        value="with mlflow",
-        why="train.loggers' mlflow is MLflow's own package",
-        instead="drop mlflow from train.loggers",
-        when=_logs_to("mlflow"),
-    ),
+    _tracker("wandb", "wandb==0.31.0", "Weights & Biases'"),
+    _tracker("mlflow", "mlflow-skinny==3.18.0", "MLflow's"),
     Package(
         module="alembic",
         install="alembic==1.20.1 sqlalchemy==2.0.59",
