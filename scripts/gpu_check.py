@@ -22,19 +22,22 @@ Steps, in order (a step that fails or times out is recorded as such; the next on
    fused cross-entropy on megatron) at sequence 4096, micro-batch 4 (2 where the reference kernels
    do not fit the card), global batch 32, 10 steps: step
    time, MFU and memory of each, and the largest loss difference between the two at any step.
+3c. out_of_memory: a megatron run past the device (llama3_1b at micro-batch 64; on CPU the
+   train.fault.oom drill) must exit 1 with the report and, on a GPU, the allocator's snapshot.
 4. bench_overhead: parakit's loop against a bare megatron-core loop (scripts/bench_overhead.py).
 5. fused_adam_build: how long DeepSpeed's FusedAdam takes to JIT-compile here (parakit's GPU runs
    use torch's fused AdamW instead, which needs no build).
 For every training run: median step time, tokens/s and MFU after the warm-up steps (the two
 profiled steps left out: their summary says how long the GPU was busy, by kernel kind, and how long
 it waited for the host; the Chrome trace is in the run's profile/ folder), peak memory
-allocated and reserved, each beside the planner's figure, and the attention and Adam it used; and
+allocated and reserved, each beside the planner's figure, the attention and Adam it used, and how
+many console lines came before its first step line (under 40: one screen); and
 the planner's step time and memory for the run's own config twice, printed beside the measurement:
 on the datasheet cluster it ran with (GPU: the conf/cluster file of its model, 1xh200 on an H200)
 and on the probed one (OUT/probe's cluster file, the run's node size).
 Results go to OUT/gpu_check.json (rewritten after every step) and every step's output to
 OUT/gpu_check.log; OUT is --out, else $OUT, else a new temporary directory. `--only a,b` runs
-those steps alone (all of them: 840 s of fixed limits plus the megatron step's budget on a GPU).
+those steps alone (all of them: 960 s of fixed limits plus the megatron step's budget on a GPU).
 """
 
 from __future__ import annotations
@@ -79,6 +82,7 @@ STEPS = (
     "deepspeed_zero1",
     "deepspeed_zero3",
     "kernels",
+    "out_of_memory",
     "bench_overhead",
     "fused_adam_build",
 )
@@ -146,21 +150,27 @@ class Check:
         tmp.write_text(json.dumps(self.results, indent=2, default=str))
         os.replace(tmp, self.out / "gpu_check.json")
 
-    def command(self, name: str, argv: list[str], timeout: float, stdout: Path | None = None) -> None:
-        """Run one command to success (StepFailed otherwise: "timeout" or "failed" with its exit
-        code). Its output goes to the log (its stdout to the file `stdout`, when given)."""
+    def command(
+        self, name: str, argv: list[str], timeout: float, stdout: Path | None = None, console: bool = False, expect=0
+    ) -> None:
+        """Run one command to exit code `expect` (StepFailed otherwise: "timeout" or "failed" with its
+        exit code). Its output goes to the log (its stdout to the file `stdout`, when given; its stderr
+        too with `console`: what a terminal would show, copied into the log after)."""
         self.log.write(f"\n===== {name}: {' '.join(argv)}\n")
         self.log.flush()
         started = time.monotonic()
+        errors = subprocess.STDOUT if console else self.log
         try:
             with open(stdout, "w") if stdout else contextlib.nullcontext(self.log) as out:
-                code = subprocess.run(argv, cwd=ROOT, stdout=out, stderr=self.log, timeout=timeout).returncode
+                code = subprocess.run(argv, cwd=ROOT, stdout=out, stderr=errors, timeout=timeout).returncode
         except subprocess.TimeoutExpired:
             code = None
+        if console and stdout:
+            self.log.write(stdout.read_text())
         ended = "timed out" if code is None else f"exit {code}"
         self.log.write(f"===== {name}: {ended} after {time.monotonic() - started:.0f} s\n")
         self.log.flush()
-        if code != 0:
+        if code != expect:
             raise StepFailed("timeout" if code is None else "failed", {"exit_code": code})
 
     def step(self, name: str, timeout: float, run) -> None:
@@ -183,15 +193,24 @@ class Check:
         return json.loads(result.read_text())
 
     def train(self, name: str, run_dir: Path, overrides: list[str], timeout: float) -> dict:
+        """The run's result.json, with how many lines its console showed up to its first step line."""
         argv = [self.python, "-m", "toolkit.cli", "train", *overrides, f"hydra.run.dir={run_dir}"]
-        self.command(name, argv, timeout)
-        return json.loads((run_dir / "result.json").read_text())
+        console = self.out / f"{run_dir.name}.console"
+        self.command(name, argv, timeout, stdout=console, console=True)
+        return json.loads((run_dir / "result.json").read_text()) | {"console_lines": lines_to_step(console)}
 
 
 class StepFailed(Exception):
     def __init__(self, status: str, figures: dict):
         super().__init__(status)
         self.status, self.figures = status, figures
+
+
+def lines_to_step(console: Path) -> int | None:
+    """The console's lines from the start to the first step line, that one included (issue: one
+    screen, under 40 lines)."""
+    lines = console.read_text().splitlines()
+    return next((number for number, line in enumerate(lines, 1) if line.startswith("step ")), None)
 
 
 def records(run_dir: Path) -> list[dict]:
@@ -226,6 +245,7 @@ def figures(run_dir: Path, result: dict, skip: int, profiled: range = range(0)) 
         "first_loss": steps[0]["loss"],
         "last_loss": steps[-1]["loss"],
         "kernels": result.get("kernels"),
+        "console_lines_to_step_1": result.get("console_lines"),
     }
     profile = run_dir / "profile" / "summary.json"
     if profile.is_file():
@@ -452,6 +472,34 @@ def kernels_runs(check: Check, size, timeout: float) -> dict:
     return measured
 
 
+# The out-of-memory step's run on a GPU: llama3_1b's micro-batch of 64 sequences of 2048 (its logits
+# alone 67 GB in fp32) past any card, the validator's memory check off so that it starts.
+OOM_GPU = ["train.micro_batch=64", "train.global_batch=64", "checks.memory=off"]
+# On CPU no allocator runs out: the drill raises at step 1 as the CUDA allocator raises.
+OOM_CPU = ["train.fault.oom_rank=0", "train.fault.oom_at_step=1"]
+
+
+def out_of_memory(check: Check, size, timeout: float) -> dict:
+    """A run that does not fit: exit 1 with the report (what ran out, what the allocator held, the
+    planner's terms, the fix) and, on a GPU, the allocator's snapshot in RUN_DIR/oom/."""
+    overrides, _, _, _, _ = size
+    run_dir = check.out / "out_of_memory"
+    console = check.out / "out_of_memory.console"
+    extra = OOM_GPU if check.device == "gpu" else OOM_CPU
+    argv = [*overrides, *COMMON, "backend=megatron", "train.steps=2", *extra, f"hydra.run.dir={run_dir}"]
+    check.command("out_of_memory", [check.python, "-m", "toolkit.cli", "train", *argv], timeout, console, True, 1)
+    said = console.read_text()
+    snapshot = run_dir / "oom" / "rank0.pickle"
+    measured = {
+        "report": [line.strip() for line in said.splitlines() if "ran out of memory" in line or "Fix:" in line],
+        "snapshot_bytes": snapshot.stat().st_size if snapshot.is_file() else None,
+        "console_lines": len(said.splitlines()),
+    }
+    if not measured["report"] or (check.device == "gpu" and not measured["snapshot_bytes"]):
+        raise StepFailed("failed", measured)
+    return measured
+
+
 def kernels_micro_batch(overrides: list[str]) -> int:
     """The largest micro-batch of 4, 2, 1 at which both backends with the reference kernels pass the
     validator's memory check on this cluster (the DeepSpeed run that reserved 91 GiB on an H200 at
@@ -568,6 +616,7 @@ def main(argv: list[str] | None = None) -> int:
         # four runs: on a GPU each ~30 s to start, 10 steps of ~2.6 s, and the first step's compiles
         # (torch.compile's fused cross-entropy, Liger's Triton kernels)
         "kernels": (360, lambda t: kernels_runs(check, size, t)),
+        "out_of_memory": (120, lambda t: out_of_memory(check, size, t)),
         "bench_overhead": (80, lambda t: bench_overhead(check, t)),
         "fused_adam_build": (60, lambda t: check.worker("fused_adam_build", t)),
     }

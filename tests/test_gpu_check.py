@@ -38,6 +38,7 @@ def test_every_step_ran_and_the_environment_is_this_machines(checked):
         "deepspeed_zero1",
         "deepspeed_zero3",
         "kernels",
+        "out_of_memory",
         "bench_overhead",
         "fused_adam_build",
     ]
@@ -82,6 +83,16 @@ def test_each_run_reports_measured_beside_predicted_from_its_own_records(checked
     assert step["memory_allocated_gib"] == max(r["memory_gib"] for r in records)
     assert step["predicted_tensors_gib"] == records[-1]["predicted_memory_gib"]
     assert step["kernels"]["adam"] == "torch.optim.adamw.AdamW"
+    assert 5 < step["console_lines_to_step_1"] < 40  # one screen (issue: the quiet console on the GPU)
+
+
+def test_a_run_past_the_device_exits_1_with_the_report(checked):
+    """On CPU the drill stands in for the allocator (no snapshot); on a GPU a real micro-batch of 64."""
+    out, steps = checked
+    oom = steps["out_of_memory"]
+    ran_out, fix = oom["report"]
+    assert ran_out.startswith("parakit train: rank 0 ran out of memory (OutOfMemoryError: ") and fix.startswith("Fix: ")
+    assert oom["snapshot_bytes"] is None and not (out / "out_of_memory" / "result.json").exists()
 
 
 def test_the_kernels_step_runs_each_backend_with_and_without_the_fused_kernels(checked):
