@@ -12,7 +12,7 @@ from tracker_logs import mlflow_runs, tensorboard_scalars, wandb_runs
 
 from toolkit.plan.backends import TRACKER_PACKAGES, packages_needed
 from toolkit.plan.validate import validate
-from toolkit.train.trackers import Trackers, tracked
+from toolkit.train.trackers import TrackerError, Trackers, tracked
 
 ALL = "train.loggers=[jsonl,tensorboard,wandb,mlflow]"
 
@@ -130,3 +130,29 @@ def test_an_unknown_logger_is_refused_with_the_choices(compose):
         compose("train.loggers=[jsonl,wandbb]")
     said = str(error.value.__cause__)
     assert "'wandbb'" in said and "[jsonl, tensorboard, wandb, mlflow]" in said and "train.loggers[1]" in said
+
+
+def test_a_tracker_that_cannot_start_names_the_fields_to_check(compose, tmp_path):
+    cfg = compose("train.loggers=[jsonl,mlflow]", "train.mlflow_tracking_uri=nosuchstore://here")
+    with pytest.raises(TrackerError) as error:
+        Trackers(cfg, tmp_path / "run", resume_step=0)
+    said = str(error.value)
+    assert "train.loggers' mlflow could not start its run (" in said and "nosuchstore" in said
+    assert "Fix: check train.mlflow_tracking_uri" in said and "drop mlflow from train.loggers" in said
+
+
+def test_wandb_online_without_credentials_is_refused_before_the_ranks_start(compose, tmp_path, monkeypatch):
+    from toolkit.plan.validate import validate
+
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.netrc
+    online = compose("train.loggers=[jsonl,wandb]", "train.wandb_mode=online")
+    (error,) = [e for e in validate(online, gpus=0).errors if e.rule == "wandb_login"]
+    assert "no WANDB_API_KEY and no api.wandb.ai entry" in error.message and "train.wandb_mode=offline" in error.fix
+    (tmp_path / ".netrc").write_text("machine api.wandb.ai login user password abc\n")
+    (tmp_path / ".netrc").chmod(0o600)
+    assert not [e for e in validate(online, gpus=0).errors if e.rule == "wandb_login"]
+    (tmp_path / ".netrc").unlink()
+    monkeypatch.setenv("WANDB_API_KEY", "abc")
+    assert not [e for e in validate(online, gpus=0).errors if e.rule == "wandb_login"]
+    assert not [e for e in validate(compose("train.loggers=[jsonl,wandb]"), gpus=0).errors if e.rule == "wandb_login"]

@@ -14,8 +14,11 @@ changes follow Goyal et al. 2017, "Accurate, Large Minibatch SGD", sections 2.1-
 
 from __future__ import annotations
 
+import netrc
+import os
 from dataclasses import dataclass
 from typing import Callable, Iterator
+from urllib.parse import urlparse
 
 from toolkit.config.schema import Config
 from toolkit.plan.backends import Package, packages_needed
@@ -140,6 +143,27 @@ def missing_gpus(cfg: Config, gpus: int) -> Iterator[Violation]:
     )
 
 
+def wandb_login(cfg: Config) -> Iterator[Violation]:
+    """On the machine that starts the ranks: W&B online needs credentials (WANDB_API_KEY, or the
+    ~/.netrc entry `wandb login` writes); without them wandb.init fails once the model is built."""
+    if "wandb" not in map(str, cfg.train.loggers) or str(cfg.train.wandb_mode) != "online":
+        return
+    host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
+    try:
+        entry = netrc.netrc().authenticators(host)
+    except (OSError, netrc.NetrcParseError):
+        entry = None
+    if os.environ.get("WANDB_API_KEY") or entry:
+        return
+    yield err(
+        "wandb_login",
+        {"train.wandb_mode": "online"},
+        f"W&B has no credentials on this machine: no WANDB_API_KEY and no {host} entry in ~/.netrc",
+        "run `wandb login` (or set WANDB_API_KEY) where the ranks run, or set train.wandb_mode=offline "
+        "(`wandb sync` uploads the run later)",
+    )
+
+
 def validate(
     cfg: Config,
     *,
@@ -157,6 +181,7 @@ def validate(
     errors, packages = _errors(cfg, data, installed)
     if gpus is not None and not any(e.rule == "range" for e in errors):
         errors += missing_gpus(cfg, gpus)
+        errors += wandb_login(cfg)
     warnings = []
     if not errors and memory:
         found = list(_memory(cfg))

@@ -151,6 +151,25 @@ class MLflow:
 
 
 TRACKERS = {"tensorboard": TensorBoard, "wandb": WeightsAndBiases, "mlflow": MLflow}
+FIXES = {
+    "tensorboard": "make the run directory writable",
+    "wandb": "check train.wandb_mode, train.wandb_entity and train.tracker_project (offline needs no network)",
+    "mlflow": "check train.mlflow_tracking_uri (else $MLFLOW_TRACKING_URI) and train.tracker_project",
+}
+
+
+class TrackerError(RuntimeError):
+    """A tracker that could not start its run, said with the fields to check."""
+
+
+def _opened(logger: str, cfg: Config, run_dir: Path, name: str):
+    try:
+        return TRACKERS[logger](cfg, run_dir, name)
+    except Exception as error:
+        raise TrackerError(
+            f"train.loggers' {logger} could not start its run ({type(error).__name__}: {error}). "
+            f"Fix: {FIXES[logger]}, or drop {logger} from train.loggers"
+        ) from error
 
 
 class Trackers:
@@ -159,7 +178,7 @@ class Trackers:
     def __init__(self, cfg: Config, run_dir: Path, resume_step: int):
         name = run_dir.name if not resume_step else f"{run_dir.name}-from-step-{resume_step}"
         chosen = dict.fromkeys(str(logger) for logger in cfg.train.loggers)
-        self.trackers = [TRACKERS[logger](cfg, run_dir, name) for logger in chosen if logger in TRACKERS]
+        self.trackers = [_opened(logger, cfg, run_dir, name) for logger in chosen if logger in TRACKERS]
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         for tracker in self.trackers:
