@@ -95,6 +95,21 @@ def deepspeed_zero1_dp2(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def two_ranks_one_slow(tmp_path_factory):
+    """The tiny model on 2 CPU ranks for 6 steps with rank 1 half a second slow at every step (the
+    slow-rank drill), compared every 3 steps: one launch for the quiet console's test at two ranks
+    (tests/test_console.py) and the drill's (tests/test_stragglers.py)."""
+    from training_runs import run
+
+    drill = ["train.fault.slow_rank=1", "train.fault.slow_seconds=0.5", "train.fault.straggler_interval=3"]
+    overrides = ["model=tiny", "cluster.gpus_per_node=2", "train.steps=6", "train.log_interval=1"]
+    overrides += ["train.global_batch=4", "train.micro_batch=2", "optim.warmup_steps=1", *drill]
+    result = run(tmp_path_factory.mktemp("slow_rank"), "slow", *overrides)
+    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+    return result
+
+
+@pytest.fixture(scope="session")
 def corpus_jsonl(tmp_path_factory):
     """The bundled corpus as a 4 MB jsonl file, one chapter per line."""
     from data_corpus import write_corpus_jsonl

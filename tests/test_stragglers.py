@@ -2,7 +2,7 @@
 slow-rank drill (train.fault.slow_rank) found on two CPU ranks, on the console and in metrics.jsonl."""
 
 import pytest
-from training_runs import jsonl, run
+from training_runs import jsonl
 
 from toolkit.train.stragglers import slow_ranks
 
@@ -29,20 +29,8 @@ def test_two_ranks_compare_with_each_other_and_stages_with_their_own_ranks():
 
 
 @pytest.mark.slow
-def test_the_slow_rank_drill_is_found_on_two_ranks(tmp_path):
-    result = run(
-        tmp_path,
-        "slow",
-        "model=tiny",
-        "model.num_layers=1",
-        "cluster.gpus_per_node=2",
-        "train.global_batch=4",
-        "train.steps=6",
-        "train.fault.slow_rank=1",
-        "train.fault.slow_seconds=0.5",
-        "train.fault.straggler_interval=3",
-    )
-    assert result.returncode == 0, result.stdout[-2000:] + result.stderr[-3000:]
+def test_the_slow_rank_drill_is_found_on_two_ranks(two_ranks_one_slow):
+    result = two_ranks_one_slow
     windows = [r for r in jsonl(result.run_dir) if "slow_ranks" in r]
     assert [w["steps"] for w in windows] == [[1, 3], [4, 6]]
     for window in windows:
