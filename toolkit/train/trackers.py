@@ -124,7 +124,7 @@ class MLflow:
 
         uri = mlflow_tracking_uri(cfg, run_dir)
         self.client = MlflowClient(uri)
-        self.pending = []  # the queued metric batches (mlflow.utils.async_logging's RunOperations)
+        self.pending = None  # the metric batch queued last (mlflow.utils.async_logging's RunOperations)
         experiment = self.client.get_experiment_by_name(cfg.train.tracker_project)
         experiment_id = (
             experiment.experiment_id if experiment else self.client.create_experiment(cfg.train.tracker_project)
@@ -141,12 +141,14 @@ class MLflow:
 
         now = int(time.time() * 1000)
         metrics = [Metric(name, value, now, step) for name, value in scalars.items()]
-        # queued, so that the store's write is not the step's time
-        self.pending.append(self.client.log_batch(self.run_id, metrics=metrics, synchronous=False))
+        # queued, so that the store's write is not the step's time; the previous step's is done by now
+        if self.pending is not None:
+            self.pending.wait()
+        self.pending = self.client.log_batch(self.run_id, metrics=metrics, synchronous=False)
 
     def close(self, complete: bool) -> None:
-        for operations in self.pending:
-            operations.wait()
+        if self.pending is not None:
+            self.pending.wait()
         self.client.set_terminated(self.run_id, "FINISHED" if complete else "FAILED")
 
 
