@@ -91,6 +91,7 @@ def test_every_tracker_gets_the_same_scalars_and_the_config_and_a_resume_is_a_ne
     assert mlflow["run"]["params"]["train.steps"] == "7" and mlflow["run"]["params"]["model.name"] == "tiny"
     assert wandb["run"]["params"]["train"]["steps"] == 7 and wandb["run"]["params"]["model"]["name"] == "tiny"
     assert len(mlflow["run"]["params"]) > 100  # past one MLflow batch: every field
+    assert {r["group"] for r in [*mlflow.values(), *wandb.values()]} == {"run"}  # the run's attempts
     assert sorted(p.name for p in tmp_path.iterdir()) == ["run"]
 
 
@@ -156,3 +157,14 @@ def test_wandb_online_without_credentials_is_refused_before_the_ranks_start(comp
     monkeypatch.setenv("WANDB_API_KEY", "abc")
     assert not [e for e in validate(online, gpus=0).errors if e.rule == "wandb_login"]
     assert not [e for e in validate(compose("train.loggers=[jsonl,wandb]"), gpus=0).errors if e.rule == "wandb_login"]
+
+
+def test_a_sweeps_points_are_grouped_under_the_sweep(compose, tmp_path, monkeypatch):
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    sweep = tmp_path / "grid"
+    sweep.mkdir()
+    (sweep / "multirun.yaml").write_text("hydra: {}\n")  # what Hydra writes into a sweep's folder
+    cfg = compose("train.loggers=[jsonl,wandb,mlflow]")
+    Trackers(cfg, sweep / "point-1", resume_step=0).close(complete=True)
+    (point,) = wandb_runs(sweep / "point-1").values()
+    assert point["group"] == "grid" and mlflow_runs(sweep / "point-1")["point-1"]["group"] == "grid"

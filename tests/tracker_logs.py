@@ -32,7 +32,12 @@ def mlflow_runs(run_dir: Path, experiment: str = "parakit") -> Runs:
             name: {m.step: m.value for m in client.get_metric_history(run.info.run_id, name)}
             for name in run.data.metrics
         }
-        runs[run.info.run_name] = {"params": run.data.params, "scalars": scalars, "status": run.info.status}
+        runs[run.info.run_name] = {
+            "params": run.data.params,
+            "scalars": scalars,
+            "status": run.info.status,
+            "group": run.data.tags.get("parakit.group"),
+        }
     return runs
 
 
@@ -65,11 +70,11 @@ def _wandb_records(path: Path):
 def wandb_runs(run_dir: Path) -> Runs:
     runs = {}
     for log in sorted((run_dir / "wandb").glob("offline-run-*/run-*.wandb")):
-        name, params, scalars = None, {}, {}
+        name, group, params, scalars = None, None, {}, {}
         for record in _wandb_records(log):
             kind = record.WhichOneof("record_type")
             if kind == "run":
-                name = record.run.display_name
+                name, group = record.run.display_name, record.run.run_group
                 params = {item.key: json.loads(item.value_json) for item in record.run.config.update}
             elif kind == "history":
                 # wandb keeps "train/loss" as the nested key ("train", "loss")
@@ -79,5 +84,5 @@ def wandb_runs(run_dir: Path) -> Runs:
                 for key, value in items.items():
                     if not key.startswith("_"):  # wandb's own: _step, _runtime, _timestamp
                         scalars.setdefault(key, {})[record.history.step.num] = value
-        runs[name] = {"params": params, "scalars": scalars}
+        runs[name] = {"params": params, "scalars": scalars, "group": group}
     return runs

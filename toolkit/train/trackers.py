@@ -1,7 +1,8 @@
 """The trackers a run logs to besides metrics.jsonl (train.loggers): TensorBoard, Weights & Biases and
 MLflow, through their own packages. Each gets the same scalars under the same names and the run's
-resolved config as its parameters. A resumed run is a new tracker run in the run directory's group,
-named after the step it resumed from, so that no tracker sees a step twice in one run.
+resolved config as its parameters. A resumed run is a new tracker run in the same group (the run's
+folder, or a sweep's for its points), named after the step it resumed from, so that no tracker sees
+a step twice in one run.
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ def flat_config(cfg: Config) -> dict[str, object]:
 
 
 class TensorBoard:
-    def __init__(self, cfg: Config, run_dir: Path, name: str):
+    def __init__(self, cfg: Config, run_dir: Path, name: str, group: str):
         from torch.utils.tensorboard import SummaryWriter
 
         self.writer = SummaryWriter(str(run_dir / "tensorboard"))
@@ -75,14 +76,14 @@ class TensorBoard:
 class WeightsAndBiases:
     """wandb.init in train.wandb_mode: offline writes <run dir>/wandb/ (`wandb sync` uploads it later)."""
 
-    def __init__(self, cfg: Config, run_dir: Path, name: str):
+    def __init__(self, cfg: Config, run_dir: Path, name: str, group: str):
         import wandb
 
         self.run = wandb.init(
             project=cfg.train.tracker_project,
             entity=cfg.train.wandb_entity,
             name=name,
-            group=run_dir.name,
+            group=group,
             dir=str(run_dir),
             mode=str(cfg.train.wandb_mode),
             config=dataclasses.asdict(cfg),
@@ -118,7 +119,7 @@ def mlflow_tracking_uri(cfg: Config, run_dir: Path) -> str:
 class MLflow:
     """An MLflow run in the experiment train.tracker_project, through MlflowClient (no global active run)."""
 
-    def __init__(self, cfg: Config, run_dir: Path, name: str):
+    def __init__(self, cfg: Config, run_dir: Path, name: str, group: str):
         from mlflow import MlflowClient
         from mlflow.entities import Param
 
@@ -129,7 +130,7 @@ class MLflow:
         experiment_id = (
             experiment.experiment_id if experiment else self.client.create_experiment(cfg.train.tracker_project)
         )
-        tags = {"parakit.run_dir": str(run_dir.resolve()), "parakit.group": run_dir.name}
+        tags = {"parakit.run_dir": str(run_dir.resolve()), "parakit.group": group}
         self.run_id = self.client.create_run(experiment_id, run_name=name, tags=tags).info.run_id
         params = [Param(key, str(value)[:MLFLOW_VALUE]) for key, value in flat_config(cfg).items()]
         for first in range(0, len(params), MLFLOW_BATCH):
@@ -164,9 +165,9 @@ class TrackerError(RuntimeError):
     """A tracker that could not start its run, said with the fields to check."""
 
 
-def _opened(logger: str, cfg: Config, run_dir: Path, name: str):
+def _opened(logger: str, cfg: Config, run_dir: Path, name: str, group: str):
     try:
-        return TRACKERS[logger](cfg, run_dir, name)
+        return TRACKERS[logger](cfg, run_dir, name, group)
     except Exception as error:
         raise TrackerError(
             f"train.loggers' {logger} could not start its run ({type(error).__name__}: {error}). "
@@ -174,13 +175,20 @@ def _opened(logger: str, cfg: Config, run_dir: Path, name: str):
         ) from error
 
 
+def run_group(run_dir: Path) -> str:
+    """What a tracker groups the run under: a sweep's folder for its points (Hydra writes
+    multirun.yaml there), else the run's own folder (its attempts, when it resumes)."""
+    return run_dir.parent.name if (run_dir.parent / "multirun.yaml").is_file() else run_dir.name
+
+
 class Trackers:
     """The trackers train.loggers names, opened on the rank that logs (metrics.jsonl is Metrics' own)."""
 
     def __init__(self, cfg: Config, run_dir: Path, resume_step: int):
         name = run_dir.name if not resume_step else f"{run_dir.name}-from-step-{resume_step}"
+        group = run_group(run_dir)
         chosen = dict.fromkeys(str(logger) for logger in cfg.train.loggers)
-        self.trackers = [_opened(logger, cfg, run_dir, name) for logger in chosen if logger in TRACKERS]
+        self.trackers = [_opened(logger, cfg, run_dir, name, group) for logger in chosen if logger in TRACKERS]
 
     def log(self, scalars: dict[str, float], step: int) -> None:
         for tracker in self.trackers:
