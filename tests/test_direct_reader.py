@@ -105,3 +105,15 @@ def test_megatron_core_loads_through_it_inside_direct_reads():
     with direct_reader.direct_reads():
         assert isinstance(strategies._get_filesystem_reader("somewhere"), DirectFileSystemReader)
     assert strategies._get_filesystem_reader is built
+
+
+def test_a_checkpoint_of_several_files_loads_whole_with_the_files_read_at_once(tmp_path):
+    gen = torch.Generator().manual_seed(1)
+    state = {f"t{i}": torch.randn(256, 64, generator=gen) for i in range(6)}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(tmp_path, thread_count=3), no_dist=True)
+        assert len(list(tmp_path.glob("*.distcp"))) == 3
+        targets = {name: torch.zeros_like(tensor) for name, tensor in state.items()}
+        dcp.load(targets, storage_reader=DirectFileSystemReader(tmp_path), no_dist=True)
+    assert all(torch.equal(targets[name], state[name]) for name in state)

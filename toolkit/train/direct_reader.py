@@ -17,16 +17,18 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import sys
-from concurrent.futures import Future
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 from torch.distributed.checkpoint import FileSystemReader
 from torch.distributed.checkpoint.planner import LoadItemType
 
+READ_THREADS = 4
+
 
 class DirectFileSystemReader(FileSystemReader):
-    def read_data(self, plan, planner) -> Future:
+    def read_data(self, plan, planner) -> torch.futures.Future:
         by_file: dict[str, list] = {}
         others = []
         for item in plan.items:
@@ -34,15 +36,19 @@ class DirectFileSystemReader(FileSystemReader):
                 by_file.setdefault(self.storage_data[item.storage_index].relative_path, []).append(item)
             else:
                 others.append(item)
-        for relative_path, items in by_file.items():
-            with open(Path(self.path) / relative_path, "rb", buffering=0) as file:
-                for item in items:
-                    self._load_tensor(file, item, planner)
+        # the files at once: a disk serves several reads in flight faster than one (readinto frees the GIL)
+        with ThreadPoolExecutor(max(1, min(READ_THREADS, len(by_file)))) as pool:
+            list(pool.map(lambda entry: self._read_file(*entry, planner), by_file.items()))
         if others:
             return super().read_data(dataclasses.replace(plan, items=others), planner)
-        done: Future = Future()
+        done: torch.futures.Future = torch.futures.Future()  # what DCP's load waits on (not concurrent's)
         done.set_result(None)
         return done
+
+    def _read_file(self, relative_path: str, items: list, planner) -> None:
+        with open(Path(self.path) / relative_path, "rb", buffering=0) as file:
+            for item in items:
+                self._load_tensor(file, item, planner)
 
     def _load_tensor(self, file, item, planner) -> None:
         info = self.storage_data[item.storage_index]
