@@ -549,14 +549,24 @@ def _with_kernels(backend: Backend, layers: bool, loss: bool) -> Backend:
     return kept[1]
 
 
+def logs_to(cfg, tracker: str) -> bool:
+    """Whether train.loggers names `tracker`."""
+    return tracker in map(str, cfg.train.loggers)
+
+
 def _logs_to(tracker: str) -> Callable[[object], bool]:
-    return lambda cfg: tracker in map(str, cfg.train.loggers)
+    return lambda cfg: logs_to(cfg, tracker)
+
+
+def mlflow_store(cfg) -> str | None:
+    """The MLflow tracking URI a run logs to: train.mlflow_tracking_uri, else $MLFLOW_TRACKING_URI;
+    None: a SQLite store in the run directory (toolkit.train.trackers.mlflow_tracking_uri)."""
+    return cfg.train.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI")
 
 
 def _mlflow_sqlite(cfg) -> bool:
-    """MLflow's SQLite store (parakit's default: toolkit.train.trackers.mlflow_tracking_uri) is SQLAlchemy's."""
-    uri = cfg.train.mlflow_tracking_uri or os.environ.get("MLFLOW_TRACKING_URI") or "sqlite:"
-    return _logs_to("mlflow")(cfg) and uri.startswith("sqlite:")
+    """MLflow's SQLite store (parakit's default) is SQLAlchemy's."""
+    return logs_to(cfg, "mlflow") and (mlflow_store(cfg) or "sqlite:").startswith("sqlite:")
 
 
 def _tracker(logger: str, install: str, whose: str) -> Package:

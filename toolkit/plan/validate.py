@@ -21,7 +21,7 @@ from typing import Callable, Iterator
 from urllib.parse import urlparse
 
 from toolkit.config.schema import Config
-from toolkit.plan.backends import Package, packages_needed
+from toolkit.plan.backends import Package, logs_to, packages_needed
 from toolkit.plan.fit import memory_problem
 from toolkit.plan.layout import Layout, resolve
 from toolkit.plan.rules import (
@@ -146,7 +146,7 @@ def missing_gpus(cfg: Config, gpus: int) -> Iterator[Violation]:
 def wandb_login(cfg: Config) -> Iterator[Violation]:
     """On the machine that starts the ranks: W&B online needs credentials (WANDB_API_KEY, or the
     ~/.netrc entry `wandb login` writes); without them wandb.init fails once the model is built."""
-    if "wandb" not in map(str, cfg.train.loggers) or str(cfg.train.wandb_mode) != "online":
+    if not logs_to(cfg, "wandb") or str(cfg.train.wandb_mode) != "online":
         return
     host = urlparse(os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai").hostname
     try:

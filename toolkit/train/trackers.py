@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import time
 from pathlib import Path
 
 from toolkit.config.schema import Config
+from toolkit.plan.backends import mlflow_store
 
 # metrics.jsonl's keys and the names the trackers give them: what was measured under train/, what the
 # planner predicted under planner/ (the same figures `parakit plan` prints), validation under val/.
@@ -109,11 +109,7 @@ MLFLOW_BATCH, MLFLOW_VALUE = 100, 6000
 def mlflow_tracking_uri(cfg: Config, run_dir: Path) -> str:
     """train.mlflow_tracking_uri, else $MLFLOW_TRACKING_URI, else a SQLite store in the run directory
     (MLflow's file store is deprecated; its own default is SQLite too)."""
-    return (
-        cfg.train.mlflow_tracking_uri
-        or os.environ.get("MLFLOW_TRACKING_URI")
-        or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
-    )
+    return mlflow_store(cfg) or f"sqlite:///{(run_dir / 'mlflow.db').resolve()}"
 
 
 class MLflow:
