@@ -100,11 +100,62 @@ def test_megatron_core_loads_through_it_inside_direct_reads():
 
     import_shims()
     from megatron.core.dist_checkpointing.strategies import torch as strategies
+    from megatron.core.transformer import mlp
 
-    built = strategies._get_filesystem_reader
+    built, merge = strategies._get_filesystem_reader, mlp.cat_with_oom_fallback
     with direct_reader.direct_reads():
         assert isinstance(strategies._get_filesystem_reader("somewhere"), DirectFileSystemReader)
+        assert mlp.cat_with_oom_fallback is not merge
     assert strategies._get_filesystem_reader is built
+    assert mlp.cat_with_oom_fallback is merge
+
+
+def test_halves_read_into_one_tensor_merge_into_that_tensor_without_a_copy():
+    weight = torch.arange(24.0).reshape(6, 4)
+    halves = list(torch.chunk(weight, 2))
+    merged = direct_reader.merge_adjacent(halves, concatenate=pytest.fail)
+    assert merged.data_ptr() == weight.data_ptr() and torch.equal(merged, weight)
+    # three pieces, and pieces of a flat tensor
+    flat = torch.arange(12.0)
+    merged = direct_reader.merge_adjacent(list(flat.split([2, 3, 7])), concatenate=pytest.fail)
+    assert merged.data_ptr() == flat.data_ptr()
+
+
+@pytest.mark.parametrize(
+    "pieces",
+    [
+        lambda w: [w[3:], w[:3]],  # out of order
+        lambda w: [w[:2], w[3:]],  # a row between them
+        lambda w: [w[:3], w[3:].clone()],  # another tensor
+        lambda w: [w[:3, :2], w[3:, :2]],  # not contiguous
+        lambda w: [w[:3], w[3:].double()],  # another dtype
+    ],
+    ids=["reversed", "gap", "other_tensor", "strided", "dtype"],
+)
+def test_pieces_that_are_not_one_tensor_end_to_end_are_concatenated(pieces):
+    weight = torch.arange(24.0).reshape(6, 4)
+    parts = pieces(weight)
+    merged = direct_reader.merge_adjacent(parts, concatenate=lambda p: torch.cat([t.double() for t in p]))
+    assert torch.equal(merged, torch.cat([t.double() for t in parts]))
+    assert merged.data_ptr() != weight.data_ptr()
+
+
+def test_megatron_cores_swiglu_factory_merges_into_the_tensor_it_was_built_from():
+    """megatron-core's own factory (mlp.apply_swiglu_sharded_factory): built inside direct_reads,
+    its merge of the two halves it made hands back the weight itself."""
+    from toolkit.compat import import_shims
+
+    import_shims()
+    from megatron.core.dist_checkpointing import ShardedTensor
+    from megatron.core.transformer import mlp
+
+    weight = torch.randn(8, 4)
+    with direct_reader.direct_reads():
+        factory = mlp.apply_swiglu_sharded_factory(ShardedTensor.from_rank_offsets("fc1", weight), ())
+    halves = [piece.data for piece in factory.build()]
+    assert halves[0].data_ptr() == weight.data_ptr()
+    merged = factory.merge_fn(halves)
+    assert merged.data_ptr() == weight.data_ptr() and torch.equal(merged, weight)
 
 
 def test_a_checkpoint_of_several_files_loads_whole_with_the_files_read_at_once(tmp_path):
