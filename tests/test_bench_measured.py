@@ -118,3 +118,22 @@ def test_zero3_module_handling_waits_on_small_layers_and_hides_under_large_ones(
     no_handling = dataclasses.replace(big[1], cluster=dataclasses.replace(big[1].cluster, zero3_module_s=0.0))
     step = [estimate_step(c, resolve(c)).step_time for c in (big[1], no_handling)]
     assert step[0] == pytest.approx(step[1], rel=1e-3)
+
+
+def test_a_probed_stacks_host_time_per_layer_waits_only_where_the_layers_kernels_are_short():
+    """The GPU probe fits stack.layer_s where its tiny layers wait on the host: host work beside the
+    dispatched ops. At the H200's large batch (device-bound) it hides under the kernels; at a tiny
+    sequence every layer of every micro-batch waits for it."""
+    from toolkit.config.schema import StackCosts
+
+    def step(cfg, layer_s):
+        stack = {"megatron": StackCosts(layer_s=layer_s)}
+        probed = dataclasses.replace(cfg, cluster=dataclasses.replace(cfg.cluster, stack=stack))
+        return estimate_step(probed, resolve(probed)).step_time
+
+    large = _point_config("megatron-seq4096-mb4-gb32")
+    assert step(large, 1e-3) == pytest.approx(step(large, 0.0), rel=1e-12)
+    tiny = _point_config("megatron-2layers-seq2048-mb2-gb8", "model.seq_length=128")
+    layout = resolve(tiny)
+    waits = layout.num_microbatches * tiny.model.num_layers * 1e-3
+    assert step(tiny, 1e-3) - step(tiny, 0.0) == pytest.approx(waits, rel=1e-9)

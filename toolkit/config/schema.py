@@ -755,7 +755,9 @@ class StackCosts:
     """What one backend's software stack costs on a cluster beside the work the planner models
     (operator dispatch, Python, the loss's own kernels), measured by `parakit probe` on one rank."""
 
-    layer_s: float = non_negative(0.0)  # per layer and micro-batch, forward and backward
+    # per layer and micro-batch, forward and backward; on a GPU host work, which kernels that take
+    # longer hide (fitted where a tiny layer waits on the host)
+    layer_s: float = non_negative(0.0)
     loss_s_per_logit: float = non_negative(0.0)  # the loss, forward and backward, per logit (token x vocab entry)
     step_s: float = non_negative(0.0)  # per optimizer step (optimizer launch, bookkeeping)
     tp_layer_s: float = non_negative(0.0)  # added per layer and micro-batch under tensor parallel (its mappings)

@@ -331,10 +331,15 @@ def layer_cost(cfg: Config, layout: Layout, backend: Backend, r: Rates, stack, m
         compute += gemm_fwd + core_fwd + elementwise / 3 + permutation / 2
     elif recompute == "selective":
         compute += core_fwd
+    stack_layer = stack.layer_s if stack else 0.0  # the measured stack's cost beyond the modelled work
     if c.device == "cuda":  # a GPU waits for the host where the layer's kernels are short
-        host = backend.layer_dispatches * (4 / 3 if recompute == "full" else 1) * c.op_dispatch_s
+        # The GPU probe fits stack.layer_s where a tiny layer is host-bound (machine_fit.fit_stack):
+        # the framework's host work beside the dispatched ops, which hides under long kernels too.
+        issued = backend.layer_dispatches * c.op_dispatch_s + stack_layer
+        host = issued * (4 / 3 if recompute == "full" else 1)
         compute = dispatched_time(compute, host + zero3_bookkeeping(cfg, backend, layer_parameter_modules(m, moe)))
-    compute += c.layer_overhead_s + ((stack.layer_s + (stack.tp_layer_s if tp > 1 else 0.0)) if stack else 0.0)
+        stack_layer = 0.0
+    compute += c.layer_overhead_s + stack_layer + (stack.tp_layer_s if stack and tp > 1 else 0.0)
 
     collectives = 4 + (2 if recompute == "full" else 0)
     tp_collective = ring_time(
