@@ -37,7 +37,9 @@ on the datasheet cluster it ran with (GPU: the conf/cluster file of its model, 1
 and on the probed one (OUT/probe's cluster file, the run's node size).
 Results go to OUT/gpu_check.json (rewritten after every step) and every step's output to
 OUT/gpu_check.log; OUT is --out, else $OUT, else a new temporary directory. `--only a,b` runs
-those steps alone (all of them: 960 s of fixed limits plus the megatron step's budget on a GPU).
+those steps alone (all of them: 960 s of fixed limits plus the megatron step's budget on a GPU);
+`--budget S` skips, in the order above, each step whose limit is more than what is left of S
+seconds (a lent GPU's one call: `--budget 540` fits its 600 s with the install).
 """
 
 from __future__ import annotations
@@ -186,6 +188,11 @@ class Check:
         self.results["steps"][name] = {"status": status, "seconds": round(time.monotonic() - started, 1), **figures}
         self.save()
         print(f"gpu_check: {name}: {status} in {time.monotonic() - started:.0f} s", flush=True)
+
+    def skip(self, name: str, reason: str) -> None:
+        self.results["steps"][name] = {"status": "skipped", "reason": reason}
+        self.save()
+        print(f"gpu_check: {name}: skipped: {reason}", flush=True)
 
     def worker(self, name: str, timeout: float) -> dict:
         result = self.out / f".{name}.json"
@@ -584,9 +591,17 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, help="where gpu_check.json and gpu_check.log go (default $OUT)")
     parser.add_argument("--python", default=sys.executable, help="the Python every step runs in (default: this one)")
     parser.add_argument("--only", help=f"comma-separated steps to run, of {','.join(STEPS)} (default: all)")
+    parser.add_argument(
+        "--budget",
+        type=float,
+        help="wall seconds for the whole check (a lent GPU's time): a step whose time limit is more than "
+        "what is left is skipped, and the next ones that fit still run",
+    )
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.budget is not None and args.budget <= 0:
+        parser.error(f"--budget: {args.budget:g} s; give the seconds the check may take, more than 0")
     if args.worker:
         args.result.write_text(json.dumps(WORKERS[args.worker]()))
         return 0
@@ -620,6 +635,7 @@ def main(argv: list[str] | None = None) -> int:
         "bench_overhead": (80, lambda t: bench_overhead(check, t)),
         "fused_adam_build": (60, lambda t: check.worker("fused_adam_build", t)),
     }
+    began = time.monotonic()
     for name in STEPS:
         if name not in only:
             continue
@@ -634,11 +650,21 @@ def main(argv: list[str] | None = None) -> int:
                 f"{budget['cluster']}), steps of {budget['predicted_step_time_s']:.2f} s, twice over",
                 flush=True,
             )
+        left = None if args.budget is None else args.budget - (time.monotonic() - began)
+        if left is not None and timeout > left:
+            check.skip(name, f"its limit ({timeout:.0f} s) is more than the {left:.0f} s left of --budget")
+            continue
         check.step(name, timeout, run)
     for line in summary(check.results["steps"]) + kernels_summary(check.results["steps"].get("kernels", {})):
         print(f"gpu_check: {line}")
-    failed = [name for name, step in check.results["steps"].items() if step["status"] != "ok"]
-    print(f"gpu_check: results in {out / 'gpu_check.json'}" + (f"; not ok: {', '.join(failed)}" if failed else ""))
+    statuses = {name: step["status"] for name, step in check.results["steps"].items()}
+    failed = [name for name, status in statuses.items() if status not in ("ok", "skipped")]
+    skipped = [name for name, status in statuses.items() if status == "skipped"]
+    print(
+        f"gpu_check: results in {out / 'gpu_check.json'}"
+        + (f"; not ok: {', '.join(failed)}" if failed else "")
+        + (f"; skipped for --budget: {', '.join(skipped)}" if skipped else "")
+    )
     return 1 if failed else 0
 
 

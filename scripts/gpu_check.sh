@@ -4,7 +4,8 @@
 #   bash scripts/build_gpu_wheels.sh                 # here: the wheels the GPU machine lacks, into .whl/
 #   bash scripts/gpu_check.sh                        # there: install them, then every step; results in $OUT
 #   bash scripts/gpu_check.sh --cpu                  # here: the same steps at toy size on CPU, with .venv
-#   bash scripts/gpu_check.sh --only environment,probe,deepspeed_zero1   # some steps (all: 840 s + the megatron budget)
+#   bash scripts/gpu_check.sh --only environment,probe,deepspeed_zero1   # some steps (all: 960 s + the megatron budget)
+#   bash scripts/gpu_check.sh --budget 540           # the steps, in order, whose limits fit in 540 s; the rest skipped
 #
 # It probes the GPU first (`parakit probe`: OUT/probe/cluster/probed.yaml) and prints every training
 # run's step time and memory beside the planner's on the datasheet cluster and on the probed one.

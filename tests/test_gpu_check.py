@@ -157,3 +157,34 @@ def test_only_runs_the_steps_named(tmp_path):
         text=True,
     )
     assert wrong.returncode == 2 and "--only: no step prob" in wrong.stderr
+
+
+def test_budget_skips_each_step_whose_limit_does_not_fit_and_runs_the_next_that_do(tmp_path):
+    """On CPU the probe's limit is 300 s, the environment's 40 and fused_adam_build's 60: with 110 s
+    the probe is skipped (recorded, with why) and fused_adam_build, after it, still runs; with 60 s
+    it no longer fits once the environment has taken its seconds."""
+
+    def check(budget: str, out: Path):
+        result = subprocess.run(
+            [python(), "scripts/gpu_check.py", "--cpu", "--out", str(out), "--budget", budget]
+            + ["--only", "environment,probe,fused_adam_build"],
+            cwd=ROOT,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert result.returncode == 0, result.stdout + result.stderr
+        return result.stdout, json.loads((out / "gpu_check.json").read_text())["steps"]
+
+    printed, steps = check("110", tmp_path / "a")
+    assert steps["environment"]["status"] == "ok" and steps["fused_adam_build"]["status"] == "ok"
+    assert steps["probe"] == {"status": "skipped", "reason": steps["probe"]["reason"]}
+    assert "limit (300 s)" in steps["probe"]["reason"] and "--budget" in steps["probe"]["reason"]
+    assert "skipped for --budget: probe" in printed
+    printed, steps = check("60", tmp_path / "b")
+    assert steps["environment"]["status"] == "ok" and steps["fused_adam_build"]["status"] == "skipped"
+    assert "skipped for --budget: probe, fused_adam_build" in printed
+    refused = subprocess.run(
+        [python(), "scripts/gpu_check.py", "--cpu", "--budget", "0"], cwd=ROOT, capture_output=True, text=True
+    )
+    assert refused.returncode == 2 and "--budget: 0 s" in refused.stderr
