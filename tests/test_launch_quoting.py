@@ -59,12 +59,13 @@ def with_value(cfg, path: str, value):
     return dataclasses.replace(cfg, **{head: with_value(section, rest, value)})
 
 
-def run_script(run: Path, tmp_path: Path, **env) -> dict:
-    """launch.sh under Slurm's variables with the fake commands; what each recorded."""
+def run_script(run: Path, tmp_path: Path, fakes_: dict | None = None, **env) -> dict:
+    """launch.sh under Slurm's variables with the fake commands (`fakes_`: other bodies for some);
+    what each recorded, and the script's stderr."""
     fakes, record = tmp_path / "bin", tmp_path / "record"
     for directory in (fakes, record):
         directory.mkdir(exist_ok=True)
-    for name, body in FAKES.items():
+    for name, body in (FAKES | (fakes_ or {})).items():
         (fakes / name).write_text(f"#!/bin/bash\n{body}\n")
         (fakes / name).chmod(0o755)
     assert subprocess.run(["bash", "-n", str(run / "launch.sh")]).returncode == 0
@@ -78,7 +79,7 @@ def run_script(run: Path, tmp_path: Path, **env) -> dict:
     )
     assert done.returncode == 0, done.stderr
     assert not list(tmp_path.rglob("pwned*")), "a value ran as a command"
-    return {p.name: p.read_text() for p in record.iterdir()}
+    return {p.name: p.read_text() for p in record.iterdir()} | {"stderr": done.stderr}
 
 
 def sbatch_options(text: str) -> list[str]:
@@ -174,3 +175,46 @@ def test_a_hugging_face_directory_name_becomes_a_name(tmp_path):
     cfg = compose_config(["model=hf", f"model.hf_path='{folder}'", "data=synthetic"])
     assert cfg.model.name == "Qwen2__copy____touch_pwned_"
     assert not any(e.rule == "name" for e in validate(cfg).errors)
+
+
+def test_megatron_lm_saves_and_logs_into_the_run_directory(compose, tmp_path):
+    """PARAKIT_ENTRY=megatron-lm: --load and --save in a folder of their own under checkpoint.dir (a
+    hostile one arriving whole), TensorBoard and W&B in the run directory under its name, W&B
+    offline as parakit's is, and a word on stderr that MLflow is parakit's alone."""
+    checkpoints = str(tmp_path / "ck $(touch pwned-ck) `x`;'q\"")
+    cfg = compose(
+        "model=tiny",
+        "cluster=8xh100",
+        "train.global_batch=64",
+        "data=synthetic",
+        "checkpoint.interval_steps=5",
+        "train.loggers=[jsonl,tensorboard,wandb,mlflow]",
+    )
+    cfg = with_value(cfg, "checkpoint.dir", checkpoints)
+    assert validate(cfg).ok, validate(cfg).errors
+    run = tmp_path / "run"
+    write_run_files(cfg, resolve(cfg), run)
+    torchrun = 'printf "%s" "${WANDB_MODE-}" > "$RECORD/wandb_mode"; ' + FAKES["torchrun"]
+    recorded = run_script(
+        run,
+        tmp_path,
+        {"torchrun": torchrun},
+        PARAKIT_ENTRY="megatron-lm",
+        MEGATRON_LM_DIR="/mlm",
+        PARAKIT_PYTHON=sys.executable,
+    )
+    argv = recorded["torchrun"].split("\0")
+
+    def value(flag):
+        return argv[argv.index(flag) + 1]
+
+    assert value("--load") == value("--save") == f"{checkpoints}/megatron-lm"
+    assert value("--save-interval") == "5"
+    assert value("--tensorboard-dir") == f"{run}/tensorboard"
+    assert (value("--wandb-save-dir"), value("--wandb-exp-name"), value("--wandb-project")) == (
+        str(run),
+        "run",
+        "parakit",
+    )
+    assert recorded["wandb_mode"] == "offline"
+    assert "no MLflow logger" in recorded["stderr"]

@@ -12,6 +12,8 @@ from toolkit.config.store import conf_dir
 from toolkit.emit import megatron_args as emit
 from toolkit.emit.megatron import megatron_sections
 from toolkit.emit.megatron_args import FIELDS, Flag, Implied, Unflagged, megatron_args
+from toolkit.plan.checkpoint import checkpoint_plan
+from toolkit.plan.perf import estimate_step
 from toolkit.plan.validate import check
 
 RECIPES = sorted(p.stem for p in (conf_dir() / "recipe").glob("*.yaml"))
@@ -154,3 +156,46 @@ def test_save_on_stop_reaches_megatron_lm(compose):
     for save, handled in ((["train.fault.save_on_stop=true"], True), ([], False)):
         _, _, _, text = command_line(compose, ["recipe=llama3_8b_8xh100", *save])
         assert PARSER.parse_args(words(text)).exit_signal_handler is handled
+
+
+@pytest.mark.parametrize(
+    "checkpoint, interval",
+    [
+        (["checkpoint.interval_steps=500"], lambda cfg, layout, step: 500),
+        (["checkpoint.interval_minutes=30"], lambda cfg, layout, step: round(30 * 60 / step)),
+        (  # parakit saves at whichever comes first
+            ["checkpoint.interval_steps=500", "checkpoint.interval_minutes=30"],
+            lambda cfg, layout, step: min(500, round(30 * 60 / step)),
+        ),
+        (
+            ["checkpoint.auto_interval=true"],
+            lambda cfg, layout, step: checkpoint_plan(cfg, layout, step).recommended_steps,
+        ),
+        ([], lambda cfg, layout, step: None),
+    ],
+    ids=["steps", "minutes", "steps_and_minutes", "auto", "none"],
+)
+def test_megatron_lm_saves_at_the_interval_parakit_plans(compose, checkpoint, interval):
+    """checkpoint.*: Megatron-LM counts only steps (--save-interval); minutes and the planner's rule
+    are converted with the planner's step time; no interval, no --save-interval (launch.sh then
+    gives no --save either: Megatron-LM's last save divides by it)."""
+    cfg, layout, _, text = command_line(compose, ["recipe=llama3_8b_8xh100", *checkpoint])
+    step = estimate_step(cfg, layout).step_time
+    assert PARSER.parse_args(words(text)).save_interval == interval(cfg, layout, step)
+    assert 0 < step < 1800  # the minutes case converts to more than one step
+
+
+def test_megatron_lm_logs_to_the_wandb_project_parakit_would(compose):
+    _, _, _, text = command_line(
+        compose,
+        [
+            "recipe=llama3_8b_8xh100",
+            "train.loggers=[jsonl,wandb]",
+            "train.tracker_project=p1",
+            "train.wandb_entity=team",
+        ],
+    )
+    parsed = PARSER.parse_args(words(text))
+    assert (parsed.wandb_project, parsed.wandb_entity) == ("p1", "team")
+    _, _, _, plain = command_line(compose, ["recipe=llama3_8b_8xh100"])
+    assert not PARSER.parse_args(words(plain)).wandb_project

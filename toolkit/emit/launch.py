@@ -9,7 +9,8 @@ from __future__ import annotations
 import shlex
 
 from toolkit.config.schema import Config
-from toolkit.plan.backends import backend_of
+from toolkit.plan.backends import backend_of, logs_to
+from toolkit.plan.checkpoint import saves_checkpoints
 from toolkit.plan.layout import Layout
 
 RDZV_PORT = 29500
@@ -64,7 +65,28 @@ _READ_MEGATRON_ARGS = (
 )
 
 
-def _entry(cfg: Config) -> str:
+def megatron_lm_run_flags(cfg: Config, saves: bool) -> list[str]:
+    """pretrain_gpt.py's flags that name the run directory, as launch.sh's words (quoted, or on
+    "$RUN_DIR"): its checkpoints in a folder of their own under the run's checkpoint folder (its
+    iter_N layout is not parakit's step_N one), resumed when checkpoint.resume and saved when
+    checkpoint.* saves (`saves`); TensorBoard's events and the profiler's traces where parakit's would
+    be; W&B's files in the run directory, under its name."""
+    subfolder = "megatron-lm"
+    folder = (
+        shlex.quote(f"{cfg.checkpoint.dir}/{subfolder}")
+        if cfg.checkpoint.dir
+        else f'"$RUN_DIR/checkpoints/{subfolder}"'
+    )
+    words = ["--load", folder] if cfg.checkpoint.resume else []
+    words += ["--save", folder] if saves else []
+    if logs_to(cfg, "tensorboard") or cfg.train.profile_step_start is not None:
+        words += ["--tensorboard-dir", '"$RUN_DIR/tensorboard"']
+    if logs_to(cfg, "wandb"):
+        words += ["--wandb-save-dir", '"$RUN_DIR"', "--wandb-exp-name", '"$(basename "$RUN_DIR")"']
+    return words
+
+
+def _entry(cfg: Config, saves: bool) -> str:
     """What each rank runs: the parakit trainer on this run's resolved config, or for the
     megatron backend optionally Megatron-LM's pretrain_gpt.py with megatron_args.txt."""
     lines = [
@@ -78,14 +100,22 @@ def _entry(cfg: Config) -> str:
             message = f"{refusal}; run parakit's trainer (unset PARAKIT_ENTRY)"
             run_megatron_lm = [f"  echo {shlex.quote(message)} >&2", "  exit 2"]
         else:
+            run_flags = " ".join(megatron_lm_run_flags(cfg, saves))
             run_megatron_lm = [
                 "  # Megatron-LM checkout: MEGATRON_LM_DIR=/path/to/Megatron-LM",
                 _READ_MEGATRON_ARGS,
                 '  if [[ ${#MEGATRON_LM_ARGS[@]} -eq 0 ]]; then echo "cannot read $RUN_DIR/megatron_args.txt" >&2; '
                 "exit 2; fi",
-                '  ENTRY=("${MEGATRON_LM_DIR:?set MEGATRON_LM_DIR}/pretrain_gpt.py" "${MEGATRON_LM_ARGS[@]}")',
+                '  ENTRY=("${MEGATRON_LM_DIR:?set MEGATRON_LM_DIR}/pretrain_gpt.py" "${MEGATRON_LM_ARGS[@]}"'
+                + (f" {run_flags})" if run_flags else ")"),
                 "  TORCHRUN=(torchrun)  # its Python need not have parakit",
             ]
+            if logs_to(cfg, "wandb") and str(cfg.train.wandb_mode) == "offline":  # Megatron-LM's wandb.init
+                # takes no mode: the environment gives it
+                run_megatron_lm.append('  export WANDB_MODE="${WANDB_MODE:-offline}"')
+            if logs_to(cfg, "mlflow"):
+                note = "parakit: Megatron-LM's pretrain_gpt.py has no MLflow logger; train.loggers' mlflow is parakit's"
+                run_megatron_lm.append(f"  echo {shlex.quote(note)} >&2")
         lines += ['if [[ "${PARAKIT_ENTRY:-parakit}" == megatron-lm ]]; then', *run_megatron_lm, "fi"]
     return "\n".join(lines)
 
@@ -221,7 +251,7 @@ def launch_script(cfg: Config, layout: Layout) -> str:
     body.append("export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}")
     body.append(f"export {' '.join(f'{k}={v}' for k, v in TORCHRUN_ENV.items())}  # a fresh store per restart")
     body += [f"export {name}={value}  # {why}" for name, value, why, devices in RANK_ENV if c.device in devices]
-    body.append(_entry(cfg))
+    body.append(_entry(cfg, saves_checkpoints(cfg)))
     restarts = f'--max-restarts "${{PARAKIT_MAX_RESTARTS:-{cfg.train.fault.max_restarts}}}"'
     if c.nodes == 1:
         body.append(

@@ -22,8 +22,10 @@ from typing import Callable
 
 from toolkit.config.schema import Config
 from toolkit.formats.manifest import parse_blend, read_manifest, tokenizer_dir
-from toolkit.plan.checkpoint import saves_asynchronously
+from toolkit.plan.backends import logs_to
+from toolkit.plan.checkpoint import interval_steps, saves_asynchronously
 from toolkit.plan.layout import Layout
+from toolkit.plan.perf import estimate_step
 
 
 @dataclass(frozen=True)
@@ -221,8 +223,28 @@ def _data_flags(cfg: Config, layout: Layout) -> list[list[str]]:
     return flags
 
 
+def _tracking_flags(cfg: Config, layout: Layout) -> list[list[str]]:
+    """How often Megatron-LM saves, and its W&B project; the paths (--save, --load, --tensorboard-dir,
+    --wandb-save-dir) and the run's name are the run directory's, which launch.sh adds
+    (toolkit.emit.launch.megatron_lm_run_flags)."""
+    flags = []
+    if (every := save_interval(cfg, layout)) is not None:
+        flags.append(["--save-interval", str(every)])
+    if logs_to(cfg, "wandb"):
+        flags.append(["--wandb-project", cfg.train.tracker_project])
+        if cfg.train.wandb_entity:
+            flags.append(["--wandb-entity", cfg.train.wandb_entity])
+    return flags
+
+
+def save_interval(cfg: Config, layout: Layout) -> int | None:
+    """Megatron-LM's --save-interval for checkpoint.*: None where parakit would not save."""
+    return interval_steps(cfg, layout, estimate_step(cfg, layout).step_time)
+
+
 def megatron_args(cfg: Config, layout: Layout, sections: dict) -> list[str]:
     """Megatron-LM's pretrain_gpt.py command line for the same run (megatron_args.txt), from the
     sections megatron.yaml holds, so that both files say the same: one flag with its values per
     entry, shell-quoted (shlex.split reads an entry back into the words Megatron-LM gets)."""
-    return [shlex.join(flag) for flag in section_flags(sections) + _data_flags(cfg, layout)]
+    flags = section_flags(sections) + _data_flags(cfg, layout) + _tracking_flags(cfg, layout)
+    return [shlex.join(flag) for flag in flags]

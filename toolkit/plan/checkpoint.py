@@ -93,3 +93,23 @@ def checkpoint_plan(cfg: Config, layout: Layout, step_seconds: float | None = No
     return CheckpointPlan(
         delta, measured, write, mtbf / 3600, young / 60, daly / 60, rework / 60, recommended / 60, steps
     )
+
+
+def saves_checkpoints(cfg: Config) -> bool:
+    """Whether checkpoint.* asks for saves at all: an interval in steps or minutes, or the planner's."""
+    c = cfg.checkpoint
+    return bool(c.interval_steps or c.interval_minutes or c.auto_interval)
+
+
+def interval_steps(cfg: Config, layout: Layout, step_seconds: float) -> int | None:
+    """The save interval in steps a trainer that counts only steps (Megatron-LM's --save-interval)
+    gets for what checkpoint.* asks, with the planner's `step_seconds`: interval_steps; else every
+    interval_minutes; else auto_interval's rule with the predicted save (parakit's own trainer
+    measures its first save instead); the shortest where several are set. None: no saves."""
+    c = cfg.checkpoint
+    candidates = [c.interval_steps] if c.interval_steps else []
+    if c.interval_minutes:
+        candidates.append(max(1, round(c.interval_minutes * 60 / step_seconds)))
+    if c.auto_interval and not c.interval_steps:
+        candidates.append(checkpoint_plan(cfg, layout, step_seconds).recommended_steps or 1)
+    return min(candidates) if candidates else None

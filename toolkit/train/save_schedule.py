@@ -15,7 +15,7 @@ import time
 import torch
 
 from toolkit.config.schema import Config
-from toolkit.plan.checkpoint import checkpoint_plan
+from toolkit.plan.checkpoint import checkpoint_plan, saves_checkpoints
 from toolkit.plan.layout import Layout
 
 
@@ -23,7 +23,7 @@ class SaveSchedule:
     def __init__(self, cfg: Config, layout: Layout):
         c = cfg.checkpoint
         self.cfg, self.layout = cfg, layout
-        self.enabled = bool(c.interval_steps or c.interval_minutes or c.auto_interval)
+        self.enabled = saves_checkpoints(cfg)
         self.interval_steps = c.interval_steps
         self.last_save = time.monotonic()
 
