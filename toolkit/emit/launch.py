@@ -65,11 +65,11 @@ _READ_MEGATRON_ARGS = (
 )
 
 
-def megatron_lm_run_flags(cfg: Config, saves: bool) -> list[str]:
+def megatron_lm_run_flags(cfg: Config) -> list[str]:
     """pretrain_gpt.py's flags that name the run directory, as launch.sh's words (quoted, or on
     "$RUN_DIR"): its checkpoints in a folder of their own under the run's checkpoint folder (its
     iter_N layout is not parakit's step_N one), resumed when checkpoint.resume and saved when
-    checkpoint.* saves (`saves`); TensorBoard's events and the profiler's traces where parakit's would
+    checkpoint.* saves; TensorBoard's events and the profiler's traces where parakit's would
     be; W&B's files in the run directory, under its name."""
     subfolder = "megatron-lm"
     folder = (
@@ -78,7 +78,7 @@ def megatron_lm_run_flags(cfg: Config, saves: bool) -> list[str]:
         else f'"$RUN_DIR/checkpoints/{subfolder}"'
     )
     words = ["--load", folder] if cfg.checkpoint.resume else []
-    words += ["--save", folder] if saves else []
+    words += ["--save", folder] if saves_checkpoints(cfg) else []
     if logs_to(cfg, "tensorboard") or cfg.train.profile_step_start is not None:
         words += ["--tensorboard-dir", '"$RUN_DIR/tensorboard"']
     if logs_to(cfg, "wandb"):
@@ -86,7 +86,7 @@ def megatron_lm_run_flags(cfg: Config, saves: bool) -> list[str]:
     return words
 
 
-def _entry(cfg: Config, saves: bool) -> str:
+def _entry(cfg: Config) -> str:
     """What each rank runs: the parakit trainer on this run's resolved config, or for the
     megatron backend optionally Megatron-LM's pretrain_gpt.py with megatron_args.txt."""
     lines = [
@@ -100,7 +100,7 @@ def _entry(cfg: Config, saves: bool) -> str:
             message = f"{refusal}; run parakit's trainer (unset PARAKIT_ENTRY)"
             run_megatron_lm = [f"  echo {shlex.quote(message)} >&2", "  exit 2"]
         else:
-            run_flags = " ".join(megatron_lm_run_flags(cfg, saves))
+            run_flags = " ".join(megatron_lm_run_flags(cfg))
             run_megatron_lm = [
                 "  # Megatron-LM checkout: MEGATRON_LM_DIR=/path/to/Megatron-LM",
                 _READ_MEGATRON_ARGS,
@@ -251,7 +251,7 @@ def launch_script(cfg: Config, layout: Layout) -> str:
     body.append("export OMP_NUM_THREADS=${OMP_NUM_THREADS:-1}")
     body.append(f"export {' '.join(f'{k}={v}' for k, v in TORCHRUN_ENV.items())}  # a fresh store per restart")
     body += [f"export {name}={value}  # {why}" for name, value, why, devices in RANK_ENV if c.device in devices]
-    body.append(_entry(cfg, saves_checkpoints(cfg)))
+    body.append(_entry(cfg))
     restarts = f'--max-restarts "${{PARAKIT_MAX_RESTARTS:-{cfg.train.fault.max_restarts}}}"'
     if c.nodes == 1:
         body.append(
