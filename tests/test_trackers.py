@@ -168,3 +168,43 @@ def test_a_sweeps_points_are_grouped_under_the_sweep(compose, tmp_path, monkeypa
     Trackers(cfg, sweep / "point-1", resume_step=0).close(complete=True)
     (point,) = wandb_runs(sweep / "point-1").values()
     assert point["group"] == "grid" and mlflow_runs(sweep / "point-1")["point-1"]["group"] == "grid"
+
+
+def test_an_mlflow_server_that_does_not_answer_is_refused_before_the_ranks_start(compose, monkeypatch):
+    import http.server
+    import socket
+    import threading
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+
+    def refused(cfg):
+        return [e for e in validate(cfg, gpus=0).errors if e.rule == "mlflow_server"]
+
+    with socket.socket() as closed:  # a port nothing listens on
+        closed.bind(("127.0.0.1", 0))
+        port = closed.getsockname()[1]
+    (error,) = refused(compose("train.loggers=[jsonl,mlflow]", f"train.mlflow_tracking_uri=http://127.0.0.1:{port}"))
+    assert f"no MLflow server answers at http://127.0.0.1:{port}" in error.message
+    assert "train.mlflow_tracking_uri" in error.fields and "mlflow server" in error.fix
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", f"http://127.0.0.1:{port}")
+    (error,) = refused(compose("train.loggers=[jsonl,mlflow]"))
+    assert "$MLFLOW_TRACKING_URI" in error.fields
+    assert not refused(compose("train.loggers=[jsonl]"))  # no mlflow: nothing contacted
+
+    class Answers(http.server.BaseHTTPRequestHandler):  # a server behind a login answers 401
+        def do_GET(self):
+            self.send_response(401)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = http.server.HTTPServer(("127.0.0.1", 0), Answers)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        uri = f"http://127.0.0.1:{server.server_address[1]}"
+        assert not refused(compose("train.loggers=[jsonl,mlflow]", f"train.mlflow_tracking_uri={uri}"))
+    finally:
+        server.shutdown()
+    monkeypatch.delenv("MLFLOW_TRACKING_URI")
+    assert not refused(compose("train.loggers=[jsonl,mlflow]", "train.mlflow_tracking_uri=sqlite:///x.db"))

@@ -16,12 +16,14 @@ from __future__ import annotations
 
 import netrc
 import os
+import urllib.error
+import urllib.request
 from dataclasses import dataclass
 from typing import Callable, Iterator
 from urllib.parse import urlparse
 
 from toolkit.config.schema import Config
-from toolkit.plan.backends import Package, logs_to, packages_needed
+from toolkit.plan.backends import Package, logs_to, mlflow_store, packages_needed
 from toolkit.plan.fit import memory_problem
 from toolkit.plan.layout import Layout, resolve
 from toolkit.plan.rules import (
@@ -164,6 +166,36 @@ def wandb_login(cfg: Config) -> Iterator[Violation]:
     )
 
 
+# How long the machine that starts the ranks waits for an MLflow server's answer. MLflow's own
+# client retries a refused connection 7 times with a growing back-off (mlflow.environment_variables:
+# MLFLOW_HTTP_REQUEST_MAX_RETRIES, _BACKOFF_FACTOR): a typo in the URI failed rank 0 after 4 minutes,
+# once every rank had built its model.
+MLFLOW_ANSWER_S = 5.0
+
+
+def mlflow_server(cfg: Config) -> Iterator[Violation]:
+    """On the machine that starts the ranks: an MLflow server (http or https tracking URI) answers.
+    Any HTTP answer counts (its /health, or an error status from a server behind a login): only no
+    connection at all is refused."""
+    uri = mlflow_store(cfg) if logs_to(cfg, "mlflow") else None
+    if not uri or urlparse(uri).scheme not in ("http", "https"):
+        return
+    try:
+        urllib.request.urlopen(uri.rstrip("/") + "/health", timeout=MLFLOW_ANSWER_S).close()
+    except urllib.error.HTTPError:
+        return  # it answered
+    except (OSError, ValueError) as error:
+        field = "train.mlflow_tracking_uri" if cfg.train.mlflow_tracking_uri else "$MLFLOW_TRACKING_URI"
+        reason = getattr(error, "reason", error)
+        yield err(
+            "mlflow_server",
+            {field: uri},
+            f"no MLflow server answers at {uri} within {MLFLOW_ANSWER_S:g} s ({reason})",
+            f"start the server (`mlflow server --host 0.0.0.0 --port 5000`) or correct {field} (with "
+            "neither train.mlflow_tracking_uri nor $MLFLOW_TRACKING_URI, MLflow logs to <run dir>/mlflow.db)",
+        )
+
+
 def validate(
     cfg: Config,
     *,
@@ -182,6 +214,7 @@ def validate(
     if gpus is not None and not any(e.rule == "range" for e in errors):
         errors += missing_gpus(cfg, gpus)
         errors += wandb_login(cfg)
+        errors += mlflow_server(cfg)
     warnings = []
     if not errors and memory:
         found = list(_memory(cfg))
