@@ -29,7 +29,6 @@ from training_runs import (
 
 from toolkit.config.store import load_run_config
 from toolkit.train import checkpoint as ckpt
-from toolkit.train.faults import corrupt
 
 pytestmark = [pytest.mark.slow, pytest.mark.usefixtures("no_processes_left_behind")]
 
@@ -207,12 +206,25 @@ def test_corrupt_newest_checkpoint_is_detected_and_the_previous_one_used(tmp_pat
     assert "fails its xxh3 checksum" in ckpt.verify(root / ".step_00000004.replaced")
 
 
+def damage_a_record_header(directory) -> None:
+    """Flip a byte of a tensor record's pickle (torch.save's data.pkl) in the checkpoint's largest
+    shard: reading it raises inside torch.distributed.checkpoint, whose CheckpointException is a
+    BaseException, not an Exception (what corrupt's flip in tensor bytes leaves to the checksum)."""
+    shard = max((directory / "model_optim").glob("*.distcp"), key=lambda p: p.stat().st_size)
+    data = bytearray(shard.read_bytes())
+    pickle_start = data.find(b"\x80\x02", data.index(b"data.pkl", len(data) // 2))
+    data[pickle_start + 6] ^= 0xFF
+    shard.write_bytes(bytes(data))
+
+
 def test_a_run_whose_every_checkpoint_is_damaged_refuses_to_start_over(tmp_path, corrupt_newest):
-    """Step 4 damaged by the run, step 2 here: the resume names both and exits 1, and so does a
-    start from step 0 (checkpoint.resume=false) over them; neither touches the checkpoints."""
+    """Step 4 damaged by the run in tensor bytes (the load succeeds, the checksum fails), step 2 here
+    in a record's header (the load itself fails on a rank): the resume names both and exits 1,
+    and so does a start from step 0 (checkpoint.resume=false) over them; neither touches the
+    checkpoints."""
     shutil.copytree(corrupt_newest, tmp_path / "run")
     root = tmp_path / "run" / "checkpoints"
-    corrupt(root / "step_00000002")
+    damage_a_record_header(root / "step_00000002")
     before = sorted((p.relative_to(root), p.stat().st_mtime_ns) for p in root.rglob("*"))
     for extra in ([], ["checkpoint.resume=false"]):
         result = run(tmp_path, "run", *PP2, *extra)

@@ -13,6 +13,8 @@ import os
 import sys
 from pathlib import Path
 
+from torch.distributed.checkpoint.api import CheckpointException
+
 from toolkit.config.store import load_run_config
 from toolkit.plan.validate import ValidationError
 from toolkit.train import rank_errors
@@ -47,7 +49,10 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as error:
         rank_errors.known(str(error))
         return 2
-    except Exception as error:  # nothing foresaw it: the launcher names the rank and the cause once
+    except (
+        Exception,
+        CheckpointException,
+    ) as error:  # nothing foresaw it: the launcher names the rank and the cause once
         if not rank_errors.unexpected(error, args.config_dir):
             raise
         return 1

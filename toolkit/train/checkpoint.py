@@ -524,6 +524,7 @@ def _load_verifying(candidate: Path, level: str, load: Callable[[Path], T]) -> t
     returned). Damaged bytes may fail the load itself: its error is raised only when no checksum
     explains it."""
     import torch
+    from torch.distributed.checkpoint.api import CheckpointException
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     listed, _ = listed_files(candidate)
@@ -537,7 +538,7 @@ def _load_verifying(candidate: Path, level: str, load: Callable[[Path], T]) -> t
             for check in checks:
                 check.cancel()
             raise
-        except Exception as error:
+        except (Exception, CheckpointException) as error:  # DCP's is a BaseException: a rank's damaged record
             failure = error
         problem = next((p for p in (check.result() for check in checks) if p), None)
     answers = [None] * world
