@@ -49,10 +49,8 @@ def main(argv: list[str] | None = None) -> int:
     except ValidationError as error:
         rank_errors.known(str(error))
         return 2
-    except (
-        Exception,
-        CheckpointException,
-    ) as error:  # nothing foresaw it: the launcher names the rank and the cause once
+    # nothing foresaw it (DCP's CheckpointException is a BaseException): the launcher names the rank and the cause once
+    except (Exception, CheckpointException) as error:
         if not rank_errors.unexpected(error, args.config_dir):
             raise
         return 1
