@@ -537,3 +537,32 @@ def test_a_folder_the_run_writes_is_checked_before_it_trains(tmp_path, field):
     assert done.returncode == 2, done.stdout + done.stderr
     assert f"parakit train: {field}=afile/ck: afile is a file, not a folder" in done.stderr
     assert "step " not in done.stdout and not (tmp_path / "run" / "config.yaml").exists()
+
+
+def test_a_refused_start_writes_nothing_over_the_earlier_run(tmp_path):
+    """A run directory resumed with a refused setting keeps the earlier run's files (its config.yaml
+    is what it trained with), and a relative checkpoint.dir is recorded where it resolved: the same
+    command from another folder would have started from step 0 beside the checkpoints."""
+    first, other = tmp_path / "first", tmp_path / "other"
+    first.mkdir(), other.mkdir()
+    run = ["train", "model=tiny", "data=synthetic", "cluster.gpus_per_node=1", "train.global_batch=2"]
+    run += ["train.steps=1", "checkpoint.interval_steps=1", "checkpoint.dir=ck", f"hydra.run.dir={tmp_path / 'run'}"]
+    trained = parakit(*run, cwd=first)
+    assert trained.returncode == 0, trained.stderr[-3000:]
+    written = {name: (tmp_path / "run" / name).read_bytes() for name in GENERATED}
+    assert OmegaConf.load(tmp_path / "run" / "config.yaml").checkpoint.dir == str(first / "ck")
+    refusals = {
+        "the earlier run in": parakit(*run, "train.steps=2", cwd=other),
+        "holds another model: backend 'megatron' saved, 'deepspeed' configured": parakit(
+            *run, "backend=deepspeed", cwd=first
+        ),
+        "checkpoint.resume=false, and": parakit(*run, "checkpoint.resume=false", cwd=first),
+    }
+    for said, result in refusals.items():
+        assert result.returncode == 1 and said in result.stderr, result.stderr[-3000:]
+        assert "Traceback" not in result.stderr and "wrote " not in result.stdout
+    assert f"checkpoint.dir={first / 'ck'}" in refusals["the earlier run in"].stderr
+    assert {name: (tmp_path / "run" / name).read_bytes() for name in GENERATED} == written
+    assert not (other / "ck").exists()
+    again = parakit(*run, cwd=first)  # the same command again: the run had ended there
+    assert again.returncode == 0 and "nothing to train: the checkpoint resumed is at step 1" in again.stdout

@@ -224,6 +224,13 @@ def _write_run_dir(command: str, cfg, starts_ranks: bool = False):
     if layout is None:
         return None
     out_dir = Path(HydraConfig.get().runtime.output_dir)
+    if starts_ranks:
+        from toolkit.train.launch import refuse_to_start
+
+        if cfg.checkpoint.dir and not Path(cfg.checkpoint.dir).is_absolute():
+            # where the ranks would resolve it, from here; config.yaml records it for the next start
+            cfg.checkpoint.dir = str(Path(cfg.checkpoint.dir).absolute())
+        refuse_to_start(cfg, out_dir)  # before config.yaml and launch.sh are written over an earlier run's
     for path in write_run_files(cfg, layout, out_dir):
         print(f"wrote {path}")
     return layout, out_dir
@@ -236,18 +243,18 @@ def _generate(cfg, opts) -> int:
 def _train(cfg, opts) -> int:
     if opts.verbose:  # the ranks inherit it (toolkit.train.console)
         os.environ["PARAKIT_VERBOSE"] = "1"
-    written = _write_run_dir("train", cfg, starts_ranks=cfg.cluster.nodes == 1 and not opts.dry_run)
-    if written is None:
-        return 2
-    layout, run_dir = written
     from toolkit.train.checkpoint import ResumeError
     from toolkit.train.launch import dry_run, train_here
 
-    if opts.dry_run:
-        return dry_run(cfg, layout, run_dir)
     try:
+        written = _write_run_dir("train", cfg, starts_ranks=cfg.cluster.nodes == 1 and not opts.dry_run)
+        if written is None:
+            return 2
+        layout, run_dir = written
+        if opts.dry_run:
+            return dry_run(cfg, layout, run_dir)
         return train_here(cfg, layout, run_dir, detach=opts.detach)
-    except ResumeError as e:  # a checkpoint this layout cannot resume from (its conversion, before any rank)
+    except ResumeError as e:  # checkpoints this run cannot start with (before any rank, or their conversion)
         print(f"parakit train: {e}", file=sys.stderr)
         return 1
 
@@ -384,7 +391,18 @@ def _reproduce(cfg, opts) -> int:
         opts.layouts = opts.layouts or _recipe_layout(cfg)
         opts.backends = opts.backends or str(cfg.backend.name)
         return reproduce_layouts(cfg, opts, recipe, list(hc.overrides.task), Path(hc.runtime.output_dir))
-    return reproduce(cfg, opts, recipe, list(hc.overrides.task), dirs, lambda c: _write_run_dir("reproduce", c, True))
+    return reproduce(cfg, opts, recipe, list(hc.overrides.task), dirs, _reproduce_run_dir)
+
+
+def _reproduce_run_dir(cfg):
+    """`parakit reproduce`'s run files, as `parakit train` writes them: (layout, dir) or None."""
+    from toolkit.train.checkpoint import ResumeError
+
+    try:
+        return _write_run_dir("reproduce", cfg, True)
+    except ResumeError as e:
+        print(f"parakit reproduce: {e}", file=sys.stderr)
+        return None
 
 
 def _name(text: str) -> str:

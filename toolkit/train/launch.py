@@ -32,16 +32,7 @@ def train_here(cfg: Config, layout: Layout, run_dir: Path, detach: bool = False)
     graceful = _save_and_stop(run_dir) if cfg.train.fault.save_on_stop else None
     if "LOCAL_RANK" in os.environ:  # a rank under torchrun: torchrun stops it
         return _train_in_this_process(cfg, run_dir)
-    from toolkit.train.checkpoint import ResumeError, dist_checkpoint_problem, other_model
-    from toolkit.train.loop import checkpoint_root
-
-    if cfg.train.init_checkpoint and (problem := dist_checkpoint_problem(cfg.train.init_checkpoint)):
-        raise ResumeError(
-            f"train.init_checkpoint={cfg.train.init_checkpoint}: {problem}; write it again "
-            "(train.save_init_checkpoint, or parakit convert hf-to-megatron)"
-        )
-    if cfg.checkpoint.resume and (problem := other_model(cfg, checkpoint_root(cfg, run_dir))):
-        raise ResumeError(f"{problem}. Fix: give this run another checkpoint.dir, or the saved model's settings")
+    refuse_to_start(cfg, run_dir)
     if backend_of(cfg).name == "megatron":
         from toolkit.train.megatron_reshard import convert_for_layout
 
@@ -55,6 +46,47 @@ def train_here(cfg: Config, layout: Layout, run_dir: Path, detach: bool = False)
     print(f"parakit train: starting {layout.world_size} ranks with torchrun", flush=True)
     command = torchrun_command(run_dir, layout.world_size, cfg.train.fault.max_restarts)
     return run_group(command, env=torchrun_env(cfg), graceful=graceful)
+
+
+def refuse_to_start(cfg: Config, run_dir: Path) -> None:
+    """(the machine that starts the ranks, before it writes the run's files) Raise ResumeError,
+    saying why and the fix, where this run must not start: its train.init_checkpoint is incomplete;
+    the checkpoints it would resume hold another model; checkpoint.resume=false over published
+    checkpoints; or the earlier run in this run directory saved elsewhere than this run would."""
+    from toolkit.train.checkpoint import ResumeError, dist_checkpoint_problem, other_model, refuse_to_start_over
+    from toolkit.train.loop import checkpoint_root
+
+    if cfg.train.init_checkpoint and (problem := dist_checkpoint_problem(cfg.train.init_checkpoint)):
+        raise ResumeError(
+            f"train.init_checkpoint={cfg.train.init_checkpoint}: {problem}; write it again "
+            "(train.save_init_checkpoint, or parakit convert hf-to-megatron)"
+        )
+    root = checkpoint_root(cfg, run_dir)
+    if not cfg.checkpoint.resume:
+        refuse_to_start_over(root, None)
+        return
+    if problem := other_model(cfg, root):
+        raise ResumeError(f"{problem}. Fix: give this run another checkpoint.dir, or the saved model's settings")
+    earlier = _earlier_run_checkpoints(run_dir)
+    if earlier is not None and earlier.resolve() != root.resolve() and any(earlier.glob("step_*")):
+        raise ResumeError(
+            f"the earlier run in {run_dir} saved its checkpoints in {earlier}, and this run's would go to {root}: "
+            f"it would start from step 0 beside them. Fix: set checkpoint.dir={earlier} to resume it, or give "
+            "this run another hydra.run.dir"
+        )
+
+
+def _earlier_run_checkpoints(run_dir: Path) -> Path | None:
+    """Where the run that wrote run_dir/config.yaml saved its checkpoints; None where there is none,
+    or its checkpoint.dir was relative (resolved against a working directory no longer known)."""
+    from omegaconf import OmegaConf
+
+    try:
+        saved = OmegaConf.select(OmegaConf.load(run_dir / "config.yaml"), "checkpoint.dir", default=None)
+    except (OSError, ValueError):  # none yet, or not this program's YAML
+        return None
+    root = Path(saved) if saved else run_dir / "checkpoints"
+    return root if root.is_absolute() else None
 
 
 def _train_in_this_process(cfg: Config, run_dir: Path) -> int:

@@ -146,6 +146,12 @@ def train(
     loading = time.perf_counter()
     resume = steps.load(root) if cfg.checkpoint.resume else Resume()
     resume.load_seconds = time.perf_counter() - loading if resume.checkpoint else None
+    if resume.checkpoint and resume.step >= layout.last_step and _rank() == 0:
+        print(
+            f"nothing to train: the checkpoint resumed is at step {resume.step}, the run ends at step "
+            f"{layout.last_step} (train.steps, train.stop_after_steps); raise train.steps to train on",
+            flush=True,
+        )
     steps.begin_at(resume.step)
     metrics = Metrics(cfg, layout, run_dir, enabled=_rank() == 0, resume=resume, kernels=steps.kernels())
     watchdog = Watchdog(fault.watchdog_timeout_s)
