@@ -258,6 +258,7 @@ ERROR_CASES = [
     ("vocab_tokenizer", ["model=mistral_7b", H100], ["model=mistral_7b", H100, "data=synthetic"], "data.name"),
     ("choice", ["zero.stage=4"], ["zero.stage=3", DS], "zero.stage"),
     ("train_length", ["train.steps=null"], ["train.steps=null", "train.tokens=100000"], "train.tokens"),
+    ("train_length", ["train.tokens=100000"], ["train.steps=null", "train.tokens=100000"], "train.steps=null"),
 ]
 
 WARNING_CASES = [

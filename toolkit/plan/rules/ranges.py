@@ -110,3 +110,10 @@ def ranges(cfg: Config) -> Iterator[Violation]:
             "the run has no length",
             "set train.steps=N or train.tokens=N",
         )
+    if cfg.train.steps is not None and cfg.train.tokens is not None:  # steps would win without a word
+        yield err(
+            "train_length",
+            {"train.steps": cfg.train.steps, "train.tokens": cfg.train.tokens},
+            "the run's length is given twice, in steps and in tokens",
+            "set train.steps=null to size the run by train.tokens, or train.tokens=null to keep train.steps",
+        )
