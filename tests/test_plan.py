@@ -501,6 +501,30 @@ def test_plan_scaling_refuses_sizes_that_do_not_fill_whole_nodes(compose, monkey
     assert "do not fill whole nodes" in capsys.readouterr().err
 
 
+def test_plan_refuses_an_option_without_its_mode_and_prints_the_scaling_curve_as_json(capsys):
+    """--warmup-steps/--timeout/--sweep-dir shape --measure's runs, --scaling-mode/--threshold the
+    --scaling curve: given without it, or the two modes together, they are refused, not ignored."""
+    from toolkit.cli import main
+
+    tiny = ["data=synthetic", "train.global_batch=16", "train.micro_batch=1"]
+    refused = {
+        ("--scaling", "1..4", "--measure", "2"): "--scaling predicts a curve over sizes: give one",
+        ("--scaling-mode", "strong"): "--scaling-mode only shapes --scaling A..B: add --scaling A..B, or drop it",
+        ("--warmup-steps", "3", "--timeout", "5"): "--warmup-steps, --timeout only shape --measure K",
+        ("--measure", "1", "--json"): "drop --json",
+    }
+    for options, said in refused.items():
+        assert main(["plan", *options, *tiny]) == 2, options
+        assert said in capsys.readouterr().err
+    for bad in (("--threshold", "-1"), ("--threshold", "2.5"), ("--timeout", "0"), ("--timeout", "nan")):
+        assert main(["plan", "--scaling", "1..4", *bad, *tiny]) == 2
+        assert f"argument {bad[0]}: takes" in capsys.readouterr().err
+    assert main(["plan", "--scaling", "1..4", "--json", "--threshold", "1.5", *tiny]) == 0
+    curve = json.loads(capsys.readouterr().out)
+    assert [p["world_size"] for p in curve["points"]] == [1, 2, 4] and curve["threshold"] == 1.5
+    assert [(d["from_ranks"], d["to_ranks"]) for d in curve["doublings"]] == [(1, 2), (2, 4)]
+
+
 def test_scale_and_plan_scaling_refuse_a_range_that_is_not_powers_of_two():
     for command in (["scale", "--ranks", "3..8"], ["plan", "--scaling", "8-64"]):
         done = subprocess.run([sys.executable, "-m", "toolkit.cli", *command], capture_output=True, text=True)

@@ -68,6 +68,27 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
+def _positive_seconds(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not math.isfinite(value) or value <= 0:
+        raise argparse.ArgumentTypeError(f"takes a positive number of seconds, got {text!r}")
+    return value
+
+
+def _gain_per_doubling(text: str) -> float:
+    """--threshold: the least gain a 2x step must bring; 2 is perfect scaling, so (0, 2]."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = math.nan
+    if not 0 < value <= 2:
+        raise argparse.ArgumentTypeError(f"takes a gain per 2x in (0, 2] (2: perfect scaling), got {text!r}")
+    return value
+
+
 CONFIG_DIR = Option(
     ("--config-dir",),
     dict(
@@ -449,6 +470,9 @@ def _report(cfg, opts) -> int:
 def _plan(cfg, opts) -> int:
     from toolkit.plan.report import plan_command
 
+    if problem := _plan_mode_problem(opts):
+        print(f"parakit plan: {problem}", file=sys.stderr)
+        return 2
     if opts.scaling:
         from toolkit.plan.scaling import curve_table, predicted_curve
         from toolkit.report.scale import parse_range
@@ -459,6 +483,16 @@ def _plan(cfg, opts) -> int:
         except ValueError as e:  # ScaleError too
             print(f"parakit plan --scaling: {e}", file=sys.stderr)
             return 2
+        if opts.json:
+            import dataclasses
+            import json
+
+            from toolkit.plan.doublings import doublings
+
+            steps = [dataclasses.asdict(d) for d in doublings(curve, opts.threshold)]
+            shape = {"mode": opts.scaling_mode, "model": cfg.model.name, "cluster": cfg.cluster.name}
+            print(json.dumps({**shape, "threshold": opts.threshold, "points": curve, "doublings": steps}, indent=2))
+            return 0
         print(f"{opts.scaling_mode} scaling of {cfg.model.name} on {cfg.cluster.name}, the best layout at each size:")
         print(curve_table(curve, opts.threshold))
         return 0
@@ -494,10 +528,58 @@ def _plan(cfg, opts) -> int:
     return 0
 
 
+WARMUP_STEPS, POINT_TIMEOUT_S, GAIN_PER_DOUBLING, SCALING_MODE = 2, 900.0, 1.6, "weak"
 SWEEP_OPTIONS = (
-    Option(("--warmup-steps",), dict(type=int, default=2, metavar="N", help="untimed steps (default 2)")),
-    Option(("--timeout",), dict(type=float, default=900.0, metavar="S", help="seconds a point may run (default 900)")),
+    Option(("--warmup-steps",), dict(type=int, default=WARMUP_STEPS, metavar="N", help="untimed steps (default 2)")),
+    Option(
+        ("--timeout",),
+        dict(
+            type=_positive_seconds, default=POINT_TIMEOUT_S, metavar="S", help="seconds a point may run (default 900)"
+        ),
+    ),
 )
+THRESHOLD = Option(
+    ("--threshold",),
+    dict(type=_gain_per_doubling, default=GAIN_PER_DOUBLING, metavar="X", help="gain per 2x (default 1.6)"),
+)
+# `plan`'s options of one mode (--measure's runs, --scaling's curve) have no default there, so that
+# one given without its mode is refused instead of ignored (_plan_mode_problem)
+MEASURE_ONLY = {"warmup_steps": WARMUP_STEPS, "timeout": POINT_TIMEOUT_S, "sweep_dir": None}
+SCALING_ONLY = {"scaling_mode": SCALING_MODE, "threshold": GAIN_PER_DOUBLING}
+PLAN_MODE_OPTIONS = (
+    Option(("--warmup-steps",), dict(type=int, metavar="N", help="with --measure: untimed steps (default 2)")),
+    Option(
+        ("--timeout",),
+        dict(type=_positive_seconds, metavar="S", help="with --measure: seconds a point may run (default 900)"),
+    ),
+    Option(
+        ("--sweep-dir",),
+        dict(metavar="DIR", help="with --measure: where it records (default: plan-measure/MODEL-CLUSTER-GPUS)"),
+    ),
+    Option(("--scaling",), dict(metavar="A..B", help="predicted scaling curve over A..B GPUs, e.g. 8..16384")),
+    Option(("--scaling-mode",), dict(choices=("weak", "strong"), help="with --scaling: default weak")),
+    Option(
+        ("--threshold",), dict(type=_gain_per_doubling, metavar="X", help="with --scaling: gain per 2x (default 1.6)")
+    ),
+)
+
+
+def _plan_mode_problem(opts) -> str | None:
+    """Why `plan`'s options do not go together (--measure with --scaling, an option of one without
+    it), or None; fills in the defaults of the mode chosen."""
+    if opts.scaling and opts.measure:
+        return "--measure trains the top layouts at one size and --scaling predicts a curve over sizes: give one"
+    for mode, flag, options in (("measure", "--measure K", MEASURE_ONLY), ("scaling", "--scaling A..B", SCALING_ONLY)):
+        given = [f"--{name.replace('_', '-')}" for name in options if getattr(opts, name) is not None]
+        if given and not getattr(opts, mode):
+            one = len(given) == 1
+            return f"{', '.join(given)} only shape{'s' if one else ''} {flag}: add {flag}, or drop {'it' if one else 'them'}"
+        for name, default in options.items():
+            setattr(opts, name, default if getattr(opts, name) is None else getattr(opts, name))
+    if opts.json and opts.measure:
+        return "--measure prints its measured table, not JSON: drop --json"
+    return None
+
 
 COMMANDS = {
     c.name: c
@@ -526,17 +608,7 @@ COMMANDS = {
                         help="train the top K for a short profiling run each and re-rank them by measured tokens/s",
                     ),
                 ),
-                *SWEEP_OPTIONS,
-                Option(
-                    ("--sweep-dir",),
-                    dict(metavar="DIR", help="--measure records here (default: plan-measure/MODEL-CLUSTER-GPUS)"),
-                ),
-                Option(
-                    ("--scaling",),
-                    dict(metavar="A..B", help="predicted scaling curve over A..B GPUs, e.g. 8..16384"),
-                ),
-                Option(("--scaling-mode",), dict(choices=("weak", "strong"), default="weak", help="default: weak")),
-                Option(("--threshold",), dict(type=float, default=1.6, metavar="X", help="gain per 2x (default 1.6)")),
+                *PLAN_MODE_OPTIONS,
             ),
         ),
         Command(
@@ -600,7 +672,7 @@ COMMANDS = {
                 ),
                 Option(("--mode",), dict(choices=("weak", "strong"), default="weak", help="default: weak")),
                 Option(("--ranks",), dict(default="1..4", metavar="START..END", help="powers of two (default 1..4)")),
-                Option(("--threshold",), dict(type=float, default=1.6, metavar="X", help="gain per 2x (default 1.6)")),
+                THRESHOLD,
                 *SWEEP_OPTIONS,
                 Option(("--sweep-dir",), dict(metavar="DIR", help="default: scale/MODEL-DIM-MODE")),
             ),
