@@ -501,7 +501,7 @@ def test_plan_scaling_refuses_sizes_that_do_not_fill_whole_nodes(compose, monkey
     assert "do not fill whole nodes" in capsys.readouterr().err
 
 
-def test_plan_refuses_an_option_without_its_mode_and_prints_the_scaling_curve_as_json(capsys):
+def test_plan_refuses_an_option_without_its_mode_and_prints_the_scaling_curve_as_json(capsys, tmp_path):
     """--warmup-steps/--timeout/--sweep-dir shape --measure's runs, --scaling-mode/--threshold the
     --scaling curve: given without it, or the two modes together, they are refused, not ignored."""
     from toolkit.cli import main
@@ -523,6 +523,10 @@ def test_plan_refuses_an_option_without_its_mode_and_prints_the_scaling_curve_as
     curve = json.loads(capsys.readouterr().out)
     assert [p["world_size"] for p in curve["points"]] == [1, 2, 4] and curve["threshold"] == 1.5
     assert [(d["from_ranks"], d["to_ranks"]) for d in curve["doublings"]] == [(1, 2), (2, 4)]
+    # --measure whose every point times out: the table, and exit 1
+    assert main(["plan", "--measure", "1", "--timeout", "0.5", "--sweep-dir", str(tmp_path), *tiny]) == 1
+    said = capsys.readouterr()
+    assert "timed_out" in said.out and "no layout was measured" in said.err
 
 
 def test_scale_and_plan_scaling_refuse_a_range_that_is_not_powers_of_two():

@@ -525,6 +525,9 @@ def _plan(cfg, opts) -> int:
     measured = measure_top(cfg, opts.measure, list(HydraConfig.get().overrides.task), sweep_dir, sweep)
     print("\nthe top layouts re-ranked by measured throughput (error: predicted over measured):")
     print(measured_table(measured))
+    if not any(row.get("tokens_per_s") for _, _, row in measured):
+        print(f"parakit plan --measure: no layout was measured (their logs: {sweep_dir})", file=sys.stderr)
+        return 1
     return 0
 
 
