@@ -161,6 +161,9 @@ def test_an_output_name_cannot_leave_its_folder(tmp_path, option):
     args = ["probe", "--output", str(tmp_path)] if option == "probe" else ["calibrate", str(tmp_path)]
     assert main([*args, "--name", "../../escaped"]) == 2
     assert not any(tmp_path.parent.rglob("escaped*"))
+    # a shipped cluster's name: the file would be refused by the command it suggests (cluster=cpu ...)
+    assert main([*args, "--name", "cpu"]) == 2
+    assert not (tmp_path / "cluster" / "cpu.yaml").exists()
 
 
 def test_a_hugging_face_directory_name_becomes_a_name(tmp_path):

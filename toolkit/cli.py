@@ -437,6 +437,20 @@ def _name(text: str) -> str:
     return text
 
 
+def _cluster_name(text: str) -> str:
+    """--name of a cluster file parakit writes (probe, calibrate): a name, and not one of the shipped
+    clusters, which an option of the same name in --config-dir may not replace (config.store)."""
+    from toolkit.config.store import conf_dir
+
+    name = _name(text)
+    if (conf_dir() / "cluster" / f"{name}.yaml").exists():
+        raise argparse.ArgumentTypeError(
+            f"{name!r} is one of parakit's own clusters (cluster={name}), which a cluster file of that name cannot "
+            f"replace: choose another, e.g. {name}_probed"
+        )
+    return name
+
+
 def _probe(cfg, opts) -> int:
     from toolkit.report.probe import probe_command
 
@@ -694,7 +708,7 @@ COMMANDS = {
                     ("--output", "-o"), dict(default="probe", metavar="CONFIG_DIR", help="default: ./probe"), "folder"
                 ),
                 Option(
-                    ("--name",), dict(default="this_machine", type=_name, metavar="NAME", help="default: this_machine")
+                    ("--name",), dict(default="this_machine", type=_cluster_name, metavar="NAME", help="default: this_machine")
                 ),
             ),
         ),
@@ -708,7 +722,7 @@ COMMANDS = {
             options=(
                 Option(("sweep_dir",), dict(metavar="SWEEP_DIR", help="a `parakit sweep` directory (sweep.json)")),
                 Option(("--output", "-o"), dict(metavar="CONFIG_DIR", help="default: SWEEP_DIR/calibrated"), "folder"),
-                Option(("--name",), dict(type=_name, metavar="NAME", help="default: CLUSTER_calibrated")),
+                Option(("--name",), dict(type=_cluster_name, metavar="NAME", help="default: CLUSTER_calibrated")),
             ),
         ),
         Command(
