@@ -336,8 +336,8 @@ def path_text(default):
     return _bounded(
         default,
         Bounds(
-            "must be a path on one line, without control characters",
-            "remove the newlines and control characters from {path}",
+            "must be a path (not empty) on one line, without control characters",
+            "give {path} a path, without newlines or control characters (or null where it may be unset)",
             pattern=r"[^\x00-\x1f\x7f]+",
             rule="path",
         ),
@@ -741,8 +741,8 @@ class TrainConfig:
     mlflow_tracking_uri: Optional[str] = _bounded(
         None,
         Bounds(
-            "must be an MLflow tracking URI on one line (http://HOST:5000, sqlite:///PATH, databricks)",
-            "remove the newlines and control characters from {path}",
+            "must be an MLflow tracking URI (not empty) on one line (http://HOST:5000, sqlite:///PATH, databricks)",
+            "give {path} a tracking URI without newlines or control characters, or null",
             pattern=r"[^\x00-\x1f\x7f]+",
             rule="uri",
         ),
