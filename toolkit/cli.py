@@ -589,8 +589,8 @@ def _plan_mode_problem(opts) -> str | None:
     for mode, flag, options in (("measure", "--measure K", MEASURE_ONLY), ("scaling", "--scaling A..B", SCALING_ONLY)):
         given = [f"--{name.replace('_', '-')}" for name in options if getattr(opts, name) is not None]
         if given and not getattr(opts, mode):
-            one = len(given) == 1
-            return f"{', '.join(given)} only shape{'s' if one else ''} {flag}: add {flag}, or drop {'it' if one else 'them'}"
+            verb, pronoun = ("shapes", "it") if len(given) == 1 else ("shape", "them")
+            return f"{', '.join(given)} only {verb} {flag}: add {flag}, or drop {pronoun}"
         for name, default in options.items():
             setattr(opts, name, default if getattr(opts, name) is None else getattr(opts, name))
     if opts.json and opts.measure:
@@ -708,7 +708,8 @@ COMMANDS = {
                     ("--output", "-o"), dict(default="probe", metavar="CONFIG_DIR", help="default: ./probe"), "folder"
                 ),
                 Option(
-                    ("--name",), dict(default="this_machine", type=_cluster_name, metavar="NAME", help="default: this_machine")
+                    ("--name",),
+                    dict(default="this_machine", type=_cluster_name, metavar="NAME", help="default: this_machine"),
                 ),
             ),
         ),
