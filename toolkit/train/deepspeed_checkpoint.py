@@ -22,6 +22,7 @@ import torch
 
 from toolkit.plan.layout import Layout
 from toolkit.train import checkpoint as ckpt
+from toolkit.train.console import prints_logged
 
 TAG = "state"
 UNIVERSAL = ".universal"
@@ -71,7 +72,8 @@ def _universal(directory: Path) -> Path:
             strict=True,
             inject_missing_state=True,  # a plain (non-Megatron) module: no tp/pp slicing patterns to merge
         )
-        ds_to_universal.main(args)
+        with prints_logged("deepspeed"):  # its steps' lines to the log; its progress bars stay on the terminal
+            ds_to_universal.main(args)
         shutil.rmtree(target, ignore_errors=True)
         staging.rename(target)
     return target

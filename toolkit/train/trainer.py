@@ -30,6 +30,11 @@ _NOISE = (
     "Rerun State Machine",
     "RerunStateMachine initialized",
     "all_gather_into_tensor` is deprecated",
+    # torch.distributed.checkpoint, as megatron-core's resume calls it (nothing a user can change)
+    "torch.distributed is disabled, unavailable or uninitialized",
+    "The argument order of load has been changed",
+    "we are deprecating ShardedTensor",
+    "MPU is not provided, setting tp size to 1",  # DeepSpeed's universal load of a model without Megatron's mpu
     "full scope is deprecated",
     "MCore's async save is deprecated",
     "Could not determine rank from torch.distributed",  # megatron-core's dataset logging, one process
@@ -57,6 +62,7 @@ def quiet_upstream_notices() -> None:
         logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s: %(message)s")
     for handler in logging.getLogger().handlers:
         handler.addFilter(_DropNoise(noise))
+    logging.getLogger("DeepSpeed").addFilter(_DropNoise(noise))  # its own terminal handler, not the root's
 
 
 def run(cfg: Config, run_dir: Path) -> list[float]:
