@@ -68,7 +68,7 @@ def test_several_nodes_are_refused_with_the_fix(tmp_path, compose):
 def test_a_checkpoint_of_another_model_or_backend_is_refused_before_any_rank_starts(tmp_path, compose):
     """The newest checkpoint records the backend and architecture that saved it: `parakit train` with
     another model (or backend) under the same checkpoint.dir names what differs, starts nothing."""
-    from toolkit.train.launch import train_here
+    from toolkit.train.launch import refuse_to_start
 
     saved = compose(*MEGATRON, "cluster.gpus_per_node=1")
     saved_checkpoint(tmp_path, model=ckpt.model_record(saved))
@@ -79,10 +79,26 @@ def test_a_checkpoint_of_another_model_or_backend_is_refused_before_any_rank_sta
     deepspeed = compose(*MEGATRON, "cluster.gpus_per_node=1", "backend=deepspeed")
     assert "backend 'megatron' saved, 'deepspeed' configured" in ckpt.other_model(deepspeed, tmp_path)
     with pytest.raises(ckpt.ResumeError, match="num_layers 8 saved, 4 configured.*another checkpoint.dir"):
-        train_here(deeper, resolve(deeper), tmp_path / "run")
+        refuse_to_start(deeper, tmp_path / "run")
     assert not (tmp_path / "run").exists()  # nothing started
     fresh = compose(*MEGATRON, "cluster.gpus_per_node=1", "model.num_layers=4", "checkpoint.resume=false")
     assert ckpt.other_model(fresh, tmp_path / "elsewhere") is None
+
+
+def test_a_resume_at_another_global_batch_is_said_before_the_ranks_start(tmp_path, compose, capsys):
+    """The data is positioned by step and the schedule counts steps: at another global batch neither
+    continues from the samples consumed (16 by step 2 at batch 8), which is said with the batch that
+    would."""
+    from toolkit.train.launch import refuse_to_start
+
+    saved_checkpoint(tmp_path)
+    assert ckpt.other_batch(compose(*MEGATRON), tmp_path) is None
+    wider = compose(*MEGATRON, "train.global_batch=16", f"checkpoint.dir={tmp_path}")
+    note = ckpt.other_batch(wider, tmp_path)
+    assert "trained at global batch 8 (16 samples by step 2)" in note and "starts at sample 32" in note
+    assert note.endswith("Fix, to continue exactly: train.global_batch=8")
+    refuse_to_start(wider, tmp_path / "run")  # said, not refused
+    assert "warning [resume_batch] step_00000002 was trained at global batch 8" in capsys.readouterr().err
 
 
 def test_a_checkpoint_from_before_the_record_is_left_to_the_load(tmp_path, compose):

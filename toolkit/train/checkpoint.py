@@ -77,6 +77,28 @@ def other_model(cfg, root: Path) -> str | None:
     return None
 
 
+def other_batch(cfg, root: Path) -> str | None:
+    """(`parakit train`, before any rank starts) What changes when the newest checkpoint under
+    `root` was trained at another global batch: the data is positioned by step (the samples the
+    run would have read at this batch) and the learning-rate schedule counts steps, so neither
+    continues from the samples consumed. None: the same batch, or nothing readable there."""
+    for candidate in _candidates(root):
+        try:
+            state = trainer_state(candidate)
+        except (OSError, ValueError):
+            continue
+        step, consumed = state.get("step"), state.get("consumed_samples")
+        if not step or not consumed or consumed == step * cfg.train.global_batch:
+            return None
+        return (
+            f"{candidate.name} was trained at global batch {consumed // step} ({consumed:,} samples by step {step}); "
+            f"this run goes on at train.global_batch={cfg.train.global_batch}: its data starts at sample "
+            f"{step * cfg.train.global_batch:,} and the learning-rate schedule at step {step}. Fix, to continue "
+            f"exactly: train.global_batch={consumed // step}"
+        )
+    return None
+
+
 def dist_checkpoint_problem(path: str | Path) -> str | None:
     """Why the megatron-core dist checkpoint (torch_dist) in `path` is incomplete, or None: its
     .metadata must read, and every file it lists must hold the byte ranges it lists

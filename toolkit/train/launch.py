@@ -11,6 +11,7 @@ from __future__ import annotations
 import os
 import shlex
 import signal
+import sys
 from pathlib import Path
 
 from toolkit.config.schema import Config
@@ -24,7 +25,8 @@ from toolkit.train.torchrun import torchrun_command, torchrun_env
 
 def train_here(cfg: Config, layout: Layout, run_dir: Path, detach: bool = False) -> int:
     """One node: the ranks run here (this process, or torchrun's). Several: a Slurm job
-    (toolkit.train.slurm) that `detach` leaves running instead of following its logs."""
+    (toolkit.train.slurm) that `detach` leaves running instead of following its logs. The caller
+    has written the run files after `refuse_to_start`."""
     if cfg.cluster.nodes > 1 and "LOCAL_RANK" not in os.environ:
         from toolkit.train.slurm import submit
 
@@ -32,7 +34,6 @@ def train_here(cfg: Config, layout: Layout, run_dir: Path, detach: bool = False)
     graceful = _save_and_stop(run_dir) if cfg.train.fault.save_on_stop else None
     if "LOCAL_RANK" in os.environ:  # a rank under torchrun: torchrun stops it
         return _train_in_this_process(cfg, run_dir)
-    refuse_to_start(cfg, run_dir)
     if backend_of(cfg).name == "megatron":
         from toolkit.train.megatron_reshard import convert_for_layout
 
@@ -52,8 +53,15 @@ def refuse_to_start(cfg: Config, run_dir: Path) -> None:
     """(the machine that starts the ranks, before it writes the run's files) Raise ResumeError,
     saying why and the fix, where this run must not start: its train.init_checkpoint is incomplete;
     the checkpoints it would resume hold another model; checkpoint.resume=false over published
-    checkpoints; or the earlier run in this run directory saved elsewhere than this run would."""
-    from toolkit.train.checkpoint import ResumeError, dist_checkpoint_problem, other_model, refuse_to_start_over
+    checkpoints; or the earlier run in this run directory saved elsewhere than this run would. A
+    resume at another global batch is said, not refused (a batch ramp-up is one)."""
+    from toolkit.train.checkpoint import (
+        ResumeError,
+        dist_checkpoint_problem,
+        other_batch,
+        other_model,
+        refuse_to_start_over,
+    )
     from toolkit.train.loop import checkpoint_root
 
     if cfg.train.init_checkpoint and (problem := dist_checkpoint_problem(cfg.train.init_checkpoint)):
@@ -67,6 +75,8 @@ def refuse_to_start(cfg: Config, run_dir: Path) -> None:
         return
     if problem := other_model(cfg, root):
         raise ResumeError(f"{problem}. Fix: give this run another checkpoint.dir, or the saved model's settings")
+    if note := other_batch(cfg, root):
+        print(f"warning [resume_batch] {note}", file=sys.stderr, flush=True)
     earlier = _earlier_run_checkpoints(run_dir)
     if earlier is not None and earlier.resolve() != root.resolve() and any(earlier.glob("step_*")):
         raise ResumeError(
