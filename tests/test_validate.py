@@ -421,6 +421,16 @@ def test_plan_refuses_a_non_finite_number(compose, capsys):
     assert "the errors above do not depend on the layout" in out and "no layout fits" not in out
 
 
+def test_plan_with_no_layout_to_search_says_why(compose, capsys):
+    """8e9 GPUs leave no data-parallel size that divides a batch of 16: not "errors that do not
+    depend on the layout" (they do), but the size and the batch."""
+    from toolkit.plan.report import plan_command
+
+    assert plan_command(compose("model=llama3_8b", "cluster=h100_cluster", "cluster.nodes=1000000000")) == 2
+    out = capsys.readouterr().out
+    assert "no layout to search: no split of 8,000,000,000 GPUs" in out and "do not depend on the layout" not in out
+
+
 def test_layout_search_ignores_the_data_rules(compose):
     """The planner's layouts do not depend on the data: a model smaller than the corpus's
     tokenizer still gets its layouts (parakit plan model=mistral_7b)."""

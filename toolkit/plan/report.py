@@ -13,7 +13,7 @@ from toolkit.plan.memory import GIB, peak_memory
 from toolkit.plan.parallel_dims import DIMS, ParallelDims
 from toolkit.plan.params import model_params
 from toolkit.plan.perf import estimate_step
-from toolkit.plan.search import Candidate, decision_path, search
+from toolkit.plan.search import Candidate, decision_path, search, unsearchable
 from toolkit.plan.traffic import remedies, traffic_lines
 from toolkit.plan.validate import validate
 
@@ -150,6 +150,14 @@ def _print_text(cfg, result, path, configured, ckpt, top) -> None:
         print("\nconfigured layout is not valid (the search below ignores it):")
         for error in configured["errors"]:
             print(f"  {error}")
+    if not result.considered and not unsearchable(cfg):  # the enumeration came up empty: the size and the batch
+        print(
+            f"\nno layout to search: no split of {world_size(cfg):,} GPUs into tp x pp x cp x dp suits the model and "
+            f"leaves a data-parallel size that divides train.global_batch={cfg.train.global_batch}; change the batch "
+            "or the number of GPUs"
+        )
+        print(f"\nsearched 0 layouts; {result.seconds:.2f} s", file=sys.stderr)
+        return
     if not result.valid:  # not a question of memory: no layout escapes the errors
         print("\nno layout of the search is valid either: the errors above do not depend on the layout; fix them first")
         print(f"\nsearched {result.considered} layouts: 0 valid; {result.seconds:.2f} s", file=sys.stderr)

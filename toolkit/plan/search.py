@@ -295,13 +295,18 @@ def search(cfg: Config) -> SearchResult:
 SEARCHED = ("parallel.", "train.micro_batch", "train.grad_accum", "zero.", "recompute.")
 
 
+def unsearchable(cfg: Config) -> bool:
+    """A value out of its bounds that the search does not choose (e.g. a cluster file's
+    gpus_per_node=0 or gpu_memory_gb=null): no candidate can be made or valid."""
+    return any(not any(f.startswith(SEARCHED) for f in e.fields) for e in ranges(cfg))
+
+
 def _search(cfg: Config) -> SearchResult:
     start = time.perf_counter()
     considered = valid = 0
     fitting: list[Candidate] = []
     smallest = None
-    if any(not any(f.startswith(SEARCHED) for f in e.fields) for e in ranges(cfg)):
-        # e.g. a cluster file's gpus_per_node=0 or gpu_memory_gb=null: no candidate can be made or valid
+    if unsearchable(cfg):
         return SearchResult(fitting, considered, valid, 0, time.perf_counter() - start, smallest)
     capacity = cfg.cluster.gpu_memory_gb * 1e9 * (1 - HEADROOM)
     layout_of = _resolver()
