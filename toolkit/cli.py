@@ -16,6 +16,7 @@ Exit codes: 0 ok (warnings allowed), 2 validation errors or a bad option, 1 comp
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import os
 import re
@@ -68,11 +69,16 @@ def _positive_int(text: str) -> int:
     return int(text)
 
 
-def _positive_seconds(text: str) -> float:
+def _number(text: str) -> float:
+    """The number `text` says, NaN where it says none (every bound then refuses it)."""
     try:
-        value = float(text)
+        return float(text)
     except ValueError:
-        value = math.nan
+        return math.nan
+
+
+def _positive_seconds(text: str) -> float:
+    value = _number(text)
     if not math.isfinite(value) or value <= 0:
         raise argparse.ArgumentTypeError(f"takes a positive number of seconds, got {text!r}")
     return value
@@ -80,10 +86,7 @@ def _positive_seconds(text: str) -> float:
 
 def _gain_per_doubling(text: str) -> float:
     """--threshold: the least gain a 2x step must bring; 2 is perfect scaling, so (0, 2]."""
-    try:
-        value = float(text)
-    except ValueError:
-        value = math.nan
+    value = _number(text)
     if not 0 < value <= 2:
         raise argparse.ArgumentTypeError(f"takes a gain per 2x in (0, 2] (2: perfect scaling), got {text!r}")
     return value
@@ -498,7 +501,6 @@ def _plan(cfg, opts) -> int:
             print(f"parakit plan --scaling: {e}", file=sys.stderr)
             return 2
         if opts.json:
-            import dataclasses
             import json
 
             from toolkit.plan.doublings import doublings
@@ -563,21 +565,24 @@ THRESHOLD = Option(
 # one given without its mode is refused instead of ignored (_plan_mode_problem)
 MEASURE_ONLY = {"warmup_steps": WARMUP_STEPS, "timeout": POINT_TIMEOUT_S, "sweep_dir": None}
 SCALING_ONLY = {"scaling_mode": SCALING_MODE, "threshold": GAIN_PER_DOUBLING}
+
+
+def _of_mode(option: Option, mode: str) -> Option:
+    """`plan`'s copy of a shared option that only one of its modes uses: no default (said in its help)."""
+    return dataclasses.replace(
+        option, kwargs={**option.kwargs, "default": None, "help": f"with {mode}: {option.kwargs['help']}"}
+    )
+
+
 PLAN_MODE_OPTIONS = (
-    Option(("--warmup-steps",), dict(type=int, metavar="N", help="with --measure: untimed steps (default 2)")),
-    Option(
-        ("--timeout",),
-        dict(type=_positive_seconds, metavar="S", help="with --measure: seconds a point may run (default 900)"),
-    ),
+    *(_of_mode(option, "--measure") for option in SWEEP_OPTIONS),
     Option(
         ("--sweep-dir",),
         dict(metavar="DIR", help="with --measure: where it records (default: plan-measure/MODEL-CLUSTER-GPUS)"),
     ),
     Option(("--scaling",), dict(metavar="A..B", help="predicted scaling curve over A..B GPUs, e.g. 8..16384")),
     Option(("--scaling-mode",), dict(choices=("weak", "strong"), help="with --scaling: default weak")),
-    Option(
-        ("--threshold",), dict(type=_gain_per_doubling, metavar="X", help="with --scaling: gain per 2x (default 1.6)")
-    ),
+    _of_mode(THRESHOLD, "--scaling"),
 )
 
 

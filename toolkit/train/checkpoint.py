@@ -60,21 +60,29 @@ def model_record(cfg) -> dict:
     return {"backend": str(cfg.backend.name), **{name: model[name] for name in ARCHITECTURE}}
 
 
+def _newest_state(root: Path) -> tuple[Path, dict] | None:
+    """The newest checkpoint under `root` whose trainer state reads, with it (an unreadable one the
+    resume reports and passes over)."""
+    for candidate in _candidates(root):
+        try:
+            return candidate, trainer_state(candidate)
+        except (OSError, ValueError):
+            continue
+    return None
+
+
 def other_model(cfg, root: Path) -> str | None:
     """(`parakit train`, before any rank starts) How the newest checkpoint under `root` differs from
     the configured backend and model ("hidden_size 64 saved, 128 configured"), or None: the same,
     none there, or one saved before checkpoints recorded it (the ranks' load then judges)."""
-    for candidate in _candidates(root):
-        try:
-            saved = trainer_state(candidate).get("model")
-        except (OSError, ValueError):
-            continue  # unreadable: the resume reports it and passes over it
-        if not saved:
-            return None
-        ours = model_record(cfg)
-        changed = [f"{k} {saved.get(k)!r} saved, {v!r} configured" for k, v in ours.items() if saved.get(k) != v]
-        return f"{candidate} holds another model: {'; '.join(changed)}" if changed else None
-    return None
+    newest = _newest_state(root)
+    saved = newest[1].get("model") if newest else None
+    if not saved:
+        return None
+    changed = [
+        f"{k} {saved.get(k)!r} saved, {v!r} configured" for k, v in model_record(cfg).items() if saved.get(k) != v
+    ]
+    return f"{newest[0]} holds another model: {'; '.join(changed)}" if changed else None
 
 
 def other_batch(cfg, root: Path) -> str | None:
@@ -82,21 +90,16 @@ def other_batch(cfg, root: Path) -> str | None:
     `root` was trained at another global batch: the data is positioned by step (the samples the
     run would have read at this batch) and the learning-rate schedule counts steps, so neither
     continues from the samples consumed. None: the same batch, or nothing readable there."""
-    for candidate in _candidates(root):
-        try:
-            state = trainer_state(candidate)
-        except (OSError, ValueError):
-            continue
-        step, consumed = state.get("step"), state.get("consumed_samples")
-        if not step or not consumed or consumed == step * cfg.train.global_batch:
-            return None
-        return (
-            f"{candidate.name} was trained at global batch {consumed // step} ({consumed:,} samples by step {step}); "
-            f"this run goes on at train.global_batch={cfg.train.global_batch}: its data starts at sample "
-            f"{step * cfg.train.global_batch:,} and the learning-rate schedule at step {step}. Fix, to continue "
-            f"exactly: train.global_batch={consumed // step}"
-        )
-    return None
+    newest = _newest_state(root)
+    step, consumed = (newest[1].get("step"), newest[1].get("consumed_samples")) if newest else (None, None)
+    if not step or not consumed or consumed == step * cfg.train.global_batch:
+        return None
+    return (
+        f"{newest[0].name} was trained at global batch {consumed // step} ({consumed:,} samples by step {step}); "
+        f"this run goes on at train.global_batch={cfg.train.global_batch}: its data starts at sample "
+        f"{step * cfg.train.global_batch:,} and the learning-rate schedule at step {step}. Fix, to continue "
+        f"exactly: train.global_batch={consumed // step}"
+    )
 
 
 def dist_checkpoint_problem(path: str | Path) -> str | None:
