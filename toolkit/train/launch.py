@@ -91,11 +91,13 @@ def _earlier_run_checkpoints(run_dir: Path) -> Path | None:
     or its checkpoint.dir was relative (resolved against a working directory no longer known)."""
     from omegaconf import OmegaConf
 
+    from toolkit.train.loop import checkpoint_folder
+
     try:
         saved = OmegaConf.select(OmegaConf.load(run_dir / "config.yaml"), "checkpoint.dir", default=None)
     except (OSError, ValueError):  # none yet, or not this program's YAML
         return None
-    root = Path(saved) if saved else run_dir / "checkpoints"
+    root = checkpoint_folder(saved, run_dir)
     return root if root.is_absolute() else None
 
 

@@ -89,7 +89,12 @@ class BackendSteps(Protocol):
 
 
 def checkpoint_root(cfg: Config, run_dir: Path) -> Path:
-    return Path(cfg.checkpoint.dir) if cfg.checkpoint.dir else run_dir / "checkpoints"
+    return checkpoint_folder(cfg.checkpoint.dir, run_dir)
+
+
+def checkpoint_folder(directory: str | None, run_dir: Path) -> Path:
+    """Where a run saves: checkpoint.dir, else <run dir>/checkpoints."""
+    return Path(directory) if directory else run_dir / "checkpoints"
 
 
 def _rank() -> int:
