@@ -938,8 +938,10 @@ def _group_help(argv: list[str]) -> int:
 
 
 def _output_problems(command: Command, opts: argparse.Namespace, overrides: list[str]) -> list[str]:
-    """What the command would write that cannot be written: its output options, and the run or
-    sweep folder an override gives Hydra (one without interpolations: Hydra resolves those)."""
+    """What the command would write that cannot be written: its output options, the run or sweep
+    folder an override gives Hydra (one without interpolations: Hydra resolves those), and an
+    override holding a password."""
+    from toolkit.config.secrets import credentials_fix, has_password, masked
     from toolkit.formats.output_paths import file_problem, folder_problem
 
     problems = []
@@ -955,6 +957,11 @@ def _output_problems(command: Command, opts: argparse.Namespace, overrides: list
                 problems.append(f"{option.flags[0]} {value}: {problem}")
     for override in overrides:
         key, _, value = override.partition("=")
+        if has_password(value):  # before Hydra writes the overrides into .hydra/ (the validator: config files)
+            problems.append(
+                f"{key.lstrip('+~')}={masked(value)}: holds a password (user:password@), which would be written "
+                f"into the run's files and log. Fix: {credentials_fix(key.lstrip('+~'))}"
+            )
         if key in ("hydra.run.dir", "hydra.sweep.dir") and value and "${" not in value:
             if problem := folder_problem(value.strip("'\"")):
                 problems.append(f"{key}={value}: {problem}")

@@ -35,6 +35,7 @@ from toolkit.plan.rules import (
     parallel,
     precision,
     ranges,
+    secrets,
     slow,
     training,
     weights,
@@ -80,6 +81,7 @@ class ValidationError(ValueError):
 
 # In the order they report.
 _ERROR_RULES: tuple[Callable[[Config], Iterator[Violation]], ...] = (
+    secrets.passwords,
     model.shape,
     weights.hf_path,
     weights.hf_weights,
