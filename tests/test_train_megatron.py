@@ -74,8 +74,8 @@ def test_reference_run_updates_every_parameter_from_the_first_step(reference):
 
 
 def test_an_incomplete_initial_checkpoint_is_named_before_any_rank_starts(tmp_path, reference):
-    """A truncated or missing shard, or an unreadable .metadata, in train.init_checkpoint: `parakit
-    train` refuses it naming the file (sizes from the checkpoint's own metadata), exit 1, no rank."""
+    """A truncated or missing shard, or no manifest, in train.init_checkpoint: `parakit train`
+    refuses it naming the file (sizes from the manifest its save sealed it with), exit 1, no rank."""
     import shutil
 
     from toolkit.train.checkpoint import dist_checkpoint_problem
@@ -88,7 +88,8 @@ def test_an_incomplete_initial_checkpoint_is_named_before_any_rank_starts(tmp_pa
     size = shard.stat().st_size
     with open(shard, "r+b") as f:
         f.truncate(size // 2)
-    assert dist_checkpoint_problem(copy) == f"{shard.name} is truncated ({size // 2:,} of {size:,} bytes)"
+    truncated = f"{shard.name} has {size // 2} bytes, the manifest says {size}"
+    assert dist_checkpoint_problem(copy) == truncated
     done = subprocess.run(
         [sys.executable, "-m", "toolkit.cli", "train", *COMMON, f"train.init_checkpoint={copy}", "hydra.run.dir=run"],
         cwd=tmp_path,
@@ -97,12 +98,12 @@ def test_an_incomplete_initial_checkpoint_is_named_before_any_rank_starts(tmp_pa
         timeout=300,
     )
     assert done.returncode == 1, done.stdout + done.stderr
-    assert f"train.init_checkpoint={copy}: {shard.name} is truncated" in done.stderr
+    assert f"train.init_checkpoint={copy}: {truncated}" in done.stderr
     assert "Traceback" not in done.stderr and "starting" not in done.stdout
     shard.unlink()
     assert dist_checkpoint_problem(copy) == f"{shard.name} is missing"
-    (copy / ".metadata").write_bytes(b"\x80\x04not a pickle")
-    assert dist_checkpoint_problem(copy).startswith("its .metadata cannot be read")
+    (copy / "manifest.json").unlink()
+    assert "no manifest.json" in dist_checkpoint_problem(copy)
 
 
 LAYOUTS = {

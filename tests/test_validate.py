@@ -477,4 +477,7 @@ def test_a_missing_init_checkpoint_is_refused_before_any_rank_starts(compose, tm
         assert len(errors) == 1 and "train.init_checkpoint" in str(errors[0]) and what in str(errors[0]), errors
         assert "parakit convert hf-to-megatron" in str(errors[0])
     (empty / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    unsealed = [e for e in validate(compose(f"train.init_checkpoint={empty}")).errors if e.rule == "init_checkpoint"]
+    assert len(unsealed) == 1 and "no manifest.json" in str(unsealed[0]) and "is a pickle" in str(unsealed[0])
+    (empty / "manifest.json").write_text('{"files": {}}')
     assert not [e for e in validate(compose(f"train.init_checkpoint={empty}")).errors if e.rule == "init_checkpoint"]

@@ -916,7 +916,9 @@ class CheckpointVerify(StrEnum):
     """What a checkpoint's manifest records per file beside its size, and what a resume checks."""
 
     xxh3 = "xxh3"  # accidental damage (XXH3-128), at near the disk's read speed (the default)
-    sha256 = "sha256"  # any change, deliberate ones too, at about a quarter of xxh3's speed
+    # accidental damage, at about a quarter of xxh3's speed; no more than xxh3 against a deliberate
+    # change: whoever can rewrite the files can rewrite the manifest beside them
+    sha256 = "sha256"
     crc32 = "crc32"  # accidental damage, at about half of xxh3's speed
     size = "size"  # sizes only: reads nothing, catches truncated and missing files
 
@@ -928,6 +930,8 @@ class CheckpointConfig:
     interval_minutes: Optional[float] = positive_or_null(None)  # or every N minutes of wall time
     # or the planner's rule (Daly's interval, capped by the rework bound) with the measured save time
     auto_interval: bool = False
+    # the checkpoints published last that pruning keeps (in publication order); the one this run
+    # resumed from and the one just published are kept as well
     keep_last: int = at_least_one(3)
     # megatron backend: write the shards from a forked process while training goes on
     # (megatron-core's asynchronous dist_checkpointing save); published when the writes are done.
@@ -939,7 +943,8 @@ class CheckpointConfig:
     # writes its own shards, resumable at any dp (parakit train converts it once for another layout).
     reshardable: bool = False
     resume: bool = True  # continue from the newest good checkpoint in `dir`
-    # Per file: xxh3 | sha256 | crc32 | size (toolkit.train.checkpoint); every rank checksums its share.
+    # Per file: xxh3 | sha256 | crc32 | size (toolkit.train.checkpoint); every rank checksums its share,
+    # at a resume before anything reads it (size: nothing is verified before the engines unpickle).
     verify: CheckpointVerify = CheckpointVerify.xxh3
     # For the planner's interval rule: the rework one failure may cost at most, and the
     # measured time of one save (estimated from checkpoint size and bandwidth when null).

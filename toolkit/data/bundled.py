@@ -15,6 +15,7 @@ import threading
 from pathlib import Path
 
 from toolkit.config.cache import data_cache
+from toolkit.formats.atomic import publish_directory
 
 
 def package_file(package: str, relative: str) -> Path:
@@ -66,7 +67,7 @@ def gpt2_tokenizer_dir() -> Path:
                 json.dumps({"model_max_length": 10**9})
             )  # documents, not model inputs
             shutil.rmtree(target, ignore_errors=True)
-            staging.rename(target)
+            publish_directory(staging, target)
     return target
 
 

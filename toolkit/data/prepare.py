@@ -23,6 +23,7 @@ from typing import Iterable, Iterator
 import numpy as np
 
 from toolkit.data.sources import BadInput, Tally, check_inputs, read_documents
+from toolkit.formats.atomic import durable_rename, fsync_path, fsync_tree
 from toolkit.formats.manifest import Manifest, SourceFile, manifest_path, tokenizer_dir
 
 BUNDLED = "gpt2"  # the GPT-2 BPE files that ship with parakit's dependencies
@@ -190,13 +191,17 @@ def write_dataset(
 
 
 def _publish(staging: Path, output: Path) -> None:
-    """Move the staged files into place; the manifest goes first out and last in."""
+    """Move the staged files into place, on disk first; the manifest goes first out and last in, so a
+    prefix with a manifest is whole after a power loss too."""
+    fsync_tree(staging)
     manifest_path(output).unlink(missing_ok=True)
+    fsync_path(output.parent)  # the old manifest gone before anything it described changes
     shutil.rmtree(tokenizer_dir(output), ignore_errors=True)
     os.replace(staging / "tokenizer", tokenizer_dir(output))
     os.replace(staging / "data.bin", f"{output}.bin")
     os.replace(staging / "data.idx", f"{output}.idx")
-    os.replace(staging / "manifest.json", manifest_path(output))
+    fsync_path(output.parent)
+    durable_rename(staging / "manifest.json", manifest_path(output), replace=True)
 
 
 def prepare(

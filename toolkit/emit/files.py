@@ -48,6 +48,6 @@ def write_run_files(cfg: Config, layout: Layout, out_dir: Path) -> list[Path]:
     paths = []
     for name, text in files.items():
         path = out_dir / name
-        write_atomic(path, text, 0o755 if name.endswith(".sh") else 0o644)
+        write_atomic(path, text, executable=name.endswith(".sh"))
         paths.append(path)
     return paths

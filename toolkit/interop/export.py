@@ -6,10 +6,11 @@ transformers' AutoModelForCausalLM loads.
 
 (the options: toolkit.cli's COMMANDS)
 
-RUN_DIR may also be the run's checkpoint directory, one step_XXXXXXXX in it, or a bare
-checkpoint (a megatron-core dist checkpoint such as train.save_init_checkpoint writes, or a
-DeepSpeed engine's tag directory) with --config. The run's config.yaml
-names the model. Without --step the newest checkpoint that verifies is exported. Tensors stream
+RUN_DIR may also be the run's checkpoint directory, one step_XXXXXXXX in it (or its engine's
+folder, model_optim/ or state/), or a sealed megatron-core dist checkpoint (what
+train.save_init_checkpoint and `parakit convert hf-to-megatron` write) with --config. The run's
+config.yaml names the model. Without --step the newest checkpoint that verifies is exported. Every
+file is verified against its manifest before anything reads it: a folder without one is refused. Tensors stream
 from the checkpoint (toolkit.interop.readers) into shards (toolkit.interop.hf_dir) in the dtype
 the model trained in; the directory appears only when complete.
 """
@@ -118,14 +119,20 @@ def locate(path: Path, step: int | None = None, config: Path | None = None) -> C
         cfg = load_run_config(config_path.parent, config_path.stem)
     except Exception as error:  # omegaconf's errors carry the key and the file
         raise ExportError(f"{config_path} is not a parakit run config: {error}") from None
-    if path.name.startswith("step_") or (path / ckpt.MANIFEST).exists():  # one published step
+    if path.name in ("model_optim", "state") and (path.parent / ckpt.MANIFEST).exists():  # the engine's part of one
+        path = path.parent
+    if path.name.startswith("step_") or (path / ckpt.MANIFEST).exists():  # one published step, or a sealed folder
         directory = _checked(path, path.parent)
-        if step is not None and path.name != ckpt.step_name(step):
+        if step is not None and path.name != ckpt.step_name(step) and path.name.startswith("step_"):
             raise ExportError(f"{path} is not the checkpoint of --step {step}: pass the run or its checkpoints/")
-    elif _backend_of(path):  # a bare checkpoint: the weights themselves, no manifest
-        if step is not None:
+        if step is not None and not path.name.startswith("step_"):
             raise ExportError(f"{path} is one checkpoint, without steps: leave out --step {step}")
-        directory = path
+    elif _backend_of(path):  # weights without a manifest: nothing vouches for their pickles
+        raise ExportError(
+            f"{path} has no {ckpt.MANIFEST}: parakit reads a checkpoint's pickles only once the checksums of the "
+            "manifest it was saved with verify. Fix: export the run or its published step_* folder, or write the "
+            "weights again (train.save_init_checkpoint, parakit convert hf-to-megatron)"
+        )
     else:
         root = path if _steps_in(path) or path.name == "checkpoints" else checkpoint_root(cfg, path)
         directory = _step_directory(path, root, step)

@@ -16,13 +16,9 @@ from pathlib import Path
 
 import torch
 
-from toolkit.formats.atomic import fsync_file
+from toolkit.formats.atomic import file_mode, fsync_path
 
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-
-
-_UMASK = os.umask(0)
-os.umask(_UMASK)
 
 
 def parse_size(text: str) -> int:
@@ -58,8 +54,8 @@ class ShardWriter:
 
         path = self.directory / f".shard-{len(self.shards):05d}.safetensors"
         save_file(self.pending, str(path), metadata={"format": "pt"})
-        os.chmod(path, 0o666 & ~_UMASK)  # safetensors creates it owner-only; the other files follow the umask
-        fsync_file(path)
+        os.chmod(path, file_mode())  # safetensors creates it owner-only; the other files follow the umask
+        fsync_path(path)
         self.shards.append(list(self.pending))
         self.total_bytes += self.pending_bytes
         self.pending, self.pending_bytes = {}, 0

@@ -1,17 +1,23 @@
-"""Checkpoints that are never trusted half-written, whatever wrote their contents.
+"""Checkpoints that are never trusted half-written, whatever wrote their contents, and on disk
+once published.
 
 A save goes to `<root>/.step_00000042.partial` (every rank writes its shards there), then every
-rank checksums its share of the files (checkpoint.verify: XXH3, SHA-256, CRC-32 or the size alone) and
-rank 0 lists every file with its entry in manifest.json, renames the directory to
-`<root>/step_00000042` (atomic on one filesystem) and points `<root>/latest` at it (written to a
-temporary file and renamed). Only a directory whose manifest matches its files (checked by every
-rank over its share, while the backend loads it) is resumed from; a corrupt or unfinished newest
-checkpoint is reported and the previous good one is used, and when that run saves the damaged
-one's step again the damaged one is kept beside as `.step_00000042.replaced`: a published step
-directory is never overwritten.
+rank checksums its share of the files (checkpoint.verify: XXH3, SHA-256, CRC-32 or the size alone)
+and fsyncs them in the same pass; rank 0 lists every file with its entry in manifest.json, fsyncs
+the folders inside, renames the directory to `<root>/step_00000042` (atomic on one filesystem),
+fsyncs `<root>`, points `<root>/latest` at it (a temporary file fsynced and renamed), and prunes
+last (toolkit.train.checkpoint_retention). A power loss at any point leaves the previous
+checkpoint, or the new one whole.
+A resume checks every file of a candidate against its manifest (sizes, then each rank its share
+of the checksums) before the backend reads anything from it: nothing is unpickled from a file
+whose checksum has not been verified. A corrupt or unfinished newest checkpoint is reported,
+set aside as `.step_00000042.rejected` (its files kept), and the previous good one is used; a
+published step directory is never overwritten.
+A checksum finds damage, not a forgery: whoever can write the files can write a matching manifest,
+and the engines' formats that pickle (DeepSpeed's states, DCP's .metadata) run code when loaded.
+Load checkpoints from sources you trust, as PyTorch's own documentation says of torch.load.
 Where no checkpoint can be resumed, or checkpoint.resume=false finds an earlier run's, the run
-refuses to start over (ResumeError) rather than train from step 0 over them. The last `keep_last`
-published checkpoints are kept.
+refuses to start over (ResumeError) rather than train from step 0 over them.
 """
 
 from __future__ import annotations
@@ -19,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import pickle
 import shutil
 import sys
 import zlib
@@ -31,7 +38,8 @@ from typing import Callable, TypeVar
 
 import xxhash
 
-from toolkit.formats.atomic import write_atomic
+from toolkit.formats.atomic import durable_rename, fsync_path, fsync_tree, write_atomic
+from toolkit.train import checkpoint_retention as retention
 
 MANIFEST = "manifest.json"
 T = TypeVar("T")
@@ -103,27 +111,36 @@ def other_batch(cfg, root: Path) -> str | None:
 
 
 def dist_checkpoint_problem(path: str | Path) -> str | None:
-    """Why the megatron-core dist checkpoint (torch_dist) in `path` is incomplete, or None: its
-    .metadata must read, and every file it lists must hold the byte ranges it lists
-    (torch.distributed.checkpoint's FileSystemReader storage_data: relative path, offset, length).
-    Reads sizes only, before any rank opens the files (a truncated file is otherwise an EOFError
-    on one rank)."""
-    from torch.distributed.checkpoint import FileSystemReader
+    """Why the megatron-core dist checkpoint in `path` (train.init_checkpoint: a folder
+    train.save_init_checkpoint or `parakit convert hf-to-megatron` sealed) cannot be loaded, or
+    None: it must have its manifest, and every file the manifest lists must be there with its size
+    (nothing else). Reads sizes only, before any rank opens the files; the ranks verify the
+    checksums before they read it (load_sealed). A folder without a manifest is refused: its
+    .metadata is a pickle nothing vouches for."""
+    if not (Path(path) / MANIFEST).is_file():
+        return (
+            f"no {MANIFEST}: parakit loads a megatron-core checkpoint only with the manifest it seals one with "
+            "(its .metadata is a pickle, run when read)"
+        )
+    return verify(Path(path), "size")
 
-    try:
-        metadata = FileSystemReader(str(path)).read_metadata()
-    except Exception as e:  # missing, truncated or not a pickle: whatever torch raises
-        return f"its .metadata cannot be read ({type(e).__name__}: {e})"
-    needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in sorted(needed.items()):
-        file = Path(path) / name
-        if not file.is_file():
-            return f"{name} is missing"
-        if file.stat().st_size < size:
-            return f"{name} is truncated ({file.stat().st_size:,} of {size:,} bytes)"
-    return None
+
+def seal(directory: Path, level: str = DEFAULT_LEVEL) -> None:
+    """(one process, its writes done) List every file of a staged folder in its manifest, each
+    fsynced: what load_sealed verifies before anything reads it. Publish it with
+    toolkit.formats.atomic.publish_directory."""
+    files = {str(p.relative_to(directory)): file_entry(p, level, sync=True) for p in _files(directory)}
+    write_atomic(directory / MANIFEST, json.dumps({"files": files}, indent=1))
+
+
+def load_sealed(directory: Path, level: str, load: Callable[[Path], T]) -> T:
+    """(every rank) `load` a sealed folder once every rank has verified its share of its files."""
+    problem = verify_collectively(directory, "size")
+    if problem is None and level != "size":
+        problem = verify_collectively(directory, level)
+    if problem:
+        raise ResumeError(f"{directory} is damaged ({problem}); write it again")
+    return _load_everywhere(directory, load)
 
 
 @dataclass
@@ -158,10 +175,12 @@ def _files(directory: Path) -> list[Path]:
 
 
 def prepare(root: Path, step: int) -> Path:
-    """(rank 0) A clean staging directory for the save of `step`."""
+    """(rank 0) A clean staging directory for the save of `step`; staging folders that earlier
+    saves left unfinished are removed."""
     staging = partial_dir(root, step)
     shutil.rmtree(staging, ignore_errors=True)
     staging.mkdir(parents=True)
+    retention.remove_stale_staging(root, staging)
     return staging
 
 
@@ -194,16 +213,21 @@ def crc32_of(path: Path) -> str:
 # checkpoint.verify: what a manifest records per file beside its size, and what a resume checks.
 # xxh3 (XXH3-128, xxhash.com) catches accidental damage as well as any checksum but runs near the
 # read's own speed (4.4 GB/s on one core here against SHA-256's 1.2: scripts/bench_checkpoint.py);
-# sha256 also catches a deliberate change; crc32 (zlib's) is kept for manifests that recorded it;
-# size reads nothing but catches only truncated or missing files.
+# sha256 is a cryptographic hash, but beside a manifest anyone can rewrite it proves no more;
+# crc32 (zlib's) is kept for manifests that recorded it; size reads nothing but catches only
+# truncated or missing files.
 CHECKSUMS = {"xxh3": _digest_of(xxhash.xxh3_128), "sha256": _digest_of(hashlib.sha256), "crc32": crc32_of, "size": None}
 RECORDED = [name for name, digest_of in CHECKSUMS.items() if digest_of is not None]
 
 
-def file_entry(path: Path, level: str = DEFAULT_LEVEL) -> dict:
+def file_entry(path: Path, level: str = DEFAULT_LEVEL, sync: bool = False) -> dict:
+    """The manifest's entry of a file: its size and checksum at `level`; `sync` fsyncs it too (a
+    save's files are on disk before the rename publishes them)."""
     entry = {"bytes": path.stat().st_size}
     if CHECKSUMS[level] is not None:
         entry[level] = CHECKSUMS[level](path)
+    if sync:
+        fsync_path(path)
     return entry
 
 
@@ -226,34 +250,26 @@ def publish(
     extra: dict | None = None,
     files: dict | None = None,
     level: str = DEFAULT_LEVEL,
+    resumed_from: str | None = None,
 ) -> Path:
-    """(rank 0, after every rank finished writing) manifest, atomic rename, `latest`, pruning.
-    `files`: the entries every rank computed for its share (else computed here, at `level`)."""
+    """(rank 0, after every rank finished writing) The manifest, the folders fsynced, the atomic
+    rename, `<root>` fsynced, `latest`, and pruning last (never `resumed_from`, the checkpoint this
+    run resumed from). `files`: the entries every rank computed for its share, its files fsynced
+    (else computed and fsynced here, at `level`)."""
     staging = partial_dir(root, step)
     if files is None:
-        files = {str(p.relative_to(staging)): file_entry(p, level) for p in _files(staging)}
-    files = dict(sorted(files.items()))
-    write_atomic(staging / MANIFEST, json.dumps({"step": step, "files": files, **(extra or {})}, indent=1))
+        files = {str(p.relative_to(staging)): file_entry(p, level, sync=True) for p in _files(staging)}
+    manifest = {"step": step, "sequence": retention.next_sequence(root), "files": dict(sorted(files.items()))}
+    write_atomic(staging / MANIFEST, json.dumps({**manifest, **(extra or {})}, indent=1))
+    fsync_tree(staging, files=False)  # the names in every folder of it (rng/, the engine's own)
     final = root / step_name(step)
-    if final.exists():  # a checkpoint passed over at resume (it failed verification): kept, never overwritten
-        kept = set_aside(final)
+    if final.exists():  # a checkpoint saved again (a conversion): the earlier one kept, never overwritten
+        kept = retention.set_aside(final, "replaced")
         print(f"checkpoint {final.name} exists: kept as {kept}", file=sys.stderr, flush=True)
-    os.replace(staging, final)
+    durable_rename(staging, final)
     write_atomic(root / LATEST, final.name + "\n")
-    for old in sorted(root.glob("step_*"))[:-keep_last] if keep_last > 0 else []:
-        shutil.rmtree(old, ignore_errors=True)
+    retention.prune(root, keep_last, keep=(final, *([Path(resumed_from)] if resumed_from else [])))
     return final
-
-
-def set_aside(directory: Path) -> Path:
-    """Rename a published checkpoint out of the resumable ones (`step_*`), keeping its files:
-    <root>/.step_00000042.replaced (a number added when that is taken)."""
-    target, n = directory.with_name(f".{directory.name}.replaced"), 1
-    while target.exists():
-        n += 1
-        target = directory.with_name(f".{directory.name}.replaced{n}")
-    os.replace(directory, target)
-    return target
 
 
 def refuse_to_start_over(root: Path, unusable: list[dict]) -> None:
@@ -289,9 +305,20 @@ def listed_files(directory: Path) -> tuple[dict | None, str | None]:
 
 def verify(directory: Path, level: str = DEFAULT_LEVEL, names: list[str] | None = None) -> str | None:
     """None when every file the manifest lists (or `names` of them) is there with its size and,
-    unless `level` is size, the checksum the manifest recorded; else why not."""
+    unless `level` is size, the checksum the manifest recorded, and (all of them asked) no file
+    is there that it does not list; else why not."""
     listed, problem = listed_files(directory)
+    if problem is None and names is None:
+        problem = _unlisted(directory, listed)
     return problem or _verify_listed(directory, listed, level, names)
+
+
+def _unlisted(directory: Path, listed: dict) -> str | None:
+    """A file in the checkpoint that its manifest does not list: no save wrote it, nothing vouches for it."""
+    extra = sorted(
+        str(p.relative_to(directory)) for p in _files(directory) if str(p.relative_to(directory)) not in listed
+    )
+    return f"{extra[0]} is not in its manifest (added after the save)" if extra else None
 
 
 def _verify_listed(directory: Path, listed: dict, level: str, names: list[str] | None = None) -> str | None:
@@ -355,12 +382,22 @@ def host_rng_state() -> dict:
     import numpy as np
     import torch
 
+    name, keys, position, has_gauss, cached_gaussian = np.random.get_state()
     return {
-        "python": random.getstate(),
-        "numpy": np.random.get_state(),
+        "python": random.getstate(),  # a tuple of ints (and None or a float): weights_only loads it
+        "numpy": (name, torch.from_numpy(keys.copy()), position, has_gauss, cached_gaussian),  # a tensor, not an array
         "torch": torch.get_rng_state(),
         "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
     }
+
+
+def _numpy_array_globals() -> list:
+    """What an array pickled by numpy needs under torch.load(weights_only=True) (PyTorch's own
+    example in torch.serialization.add_safe_globals): states saved before the keys went in as a
+    tensor."""
+    import numpy as np
+
+    return [np._core.multiarray._reconstruct, np.ndarray, np.dtype, type(np.dtype(np.uint32))]
 
 
 def set_host_rng_state(state: dict) -> None:
@@ -370,7 +407,8 @@ def set_host_rng_state(state: dict) -> None:
     import torch
 
     random.setstate(state["python"])
-    np.random.set_state(state["numpy"])
+    name, keys, *rest = state["numpy"]
+    np.random.set_state((name, keys.numpy() if isinstance(keys, torch.Tensor) else keys, *rest))
     torch.set_rng_state(state["torch"])
     if state["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(state["cuda"])
@@ -385,8 +423,10 @@ def save_collectively(
     trainer_state: dict,
     rng_state: dict,
     level: str = DEFAULT_LEVEL,
+    resumed_from: str | None = None,
 ) -> float:
-    """Every rank: `write(staging)` its shards and its random state; rank 0 then publishes.
+    """Every rank: `write(staging)` its shards and its random state; rank 0 then publishes
+    (pruning never deletes `resumed_from`, the checkpoint the run resumed from).
 
     `write` may return a `finish_later(publish)` function instead of None: its writes go on in the
     background (an asynchronous save), and it runs `publish` on every rank once every rank's
@@ -404,7 +444,9 @@ def save_collectively(
     with PeakMemory() as held, _without_zip_crc():
         finish_later = write(staging)
         torch.save(rng_state, staging / "rng" / f"rank_{rank:05d}.pt")
-    finish = partial(_publish_collectively, root, step, keep_last, fault, trainer_state, started, level, held.extra)
+    finish = partial(
+        _publish_collectively, root, step, keep_last, fault, trainer_state, started, level, held.extra, resumed_from
+    )
     if finish_later is None:
         finish()
     else:
@@ -413,11 +455,19 @@ def save_collectively(
 
 
 def _publish_collectively(
-    root: Path, step: int, keep_last: int, fault, trainer_state: dict, started: float, level: str, held: int = 0
+    root: Path,
+    step: int,
+    keep_last: int,
+    fault,
+    trainer_state: dict,
+    started: float,
+    level: str,
+    held: int = 0,
+    resumed_from: str | None = None,
 ) -> None:
-    """(every rank, after every rank's writes) Every rank checksums its share of the files
-    (`share`: in parallel, not rank 0 alone), rank 0 merges the lists into the manifest, with the
-    host memory each rank's write held (`held`), and publishes. Fault injection: rank 0 dies
+    """(every rank, after every rank's writes) Every rank checksums and fsyncs its share of the
+    files (`share`: in parallel, not rank 0 alone), rank 0 merges the lists into the manifest, with
+    the host memory each rank's write held (`held`), and publishes. Fault injection: rank 0 dies
     before publishing, or damages the published checkpoint."""
     import time
 
@@ -438,14 +488,15 @@ def _publish_collectively(
     sizes = {str(p.relative_to(staging)): p.stat().st_size for p in _files(staging)}
     names = share(sizes, rank, world)
     with ThreadPoolExecutor(max(1, min(len(names), os.cpu_count() or 1, 4))) as pool:  # hashlib frees the GIL
-        mine = dict(zip(names, pool.map(lambda name: file_entry(staging / name, level), names)))
+        mine = dict(zip(names, pool.map(lambda name: file_entry(staging / name, level, sync=True), names)))
     everyone = [None] * world if rank == 0 else None
     torch.distributed.gather_object((mine, held), everyone, dst=0)
     if rank == 0:
         files = {name: entry for entries, _ in everyone for name, entry in entries.items()}
         seconds = {"write_seconds": written - started, "checksum_seconds": time.perf_counter() - written}
         memory = {"write_peak_extra_bytes": [extra for _, extra in everyone]}  # per rank
-        published = publish(root, step, keep_last, {**seconds, **memory, "verify": level}, files=files)
+        extra = {**seconds, **memory, "verify": level}
+        published = publish(root, step, keep_last, extra, files=files, resumed_from=resumed_from)
         print(
             f"saved checkpoint {published} ({time.perf_counter() - started:.1f} s; {level} checksums on {world} "
             f"rank(s) {seconds['checksum_seconds']:.2f} s)",
@@ -502,15 +553,19 @@ class PeakMemory:
 
 
 def verify_collectively(directory: Path, level: str = DEFAULT_LEVEL) -> str | None:
-    """(every rank) Each rank verifies its share of the checkpoint's files; the first problem any
-    rank found (the same answer on every rank)."""
+    """(every rank) Each rank verifies its share of the checkpoint's files, several at once
+    (hashlib frees the GIL); the first problem any rank found (the same answer on every rank)."""
     import torch
 
     rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
     listed, problem = listed_files(directory)
+    if problem is None and level == "size":
+        problem = _unlisted(directory, listed)
     if problem is None:
         mine = share({n: e["bytes"] for n, e in listed.items()}, rank, world)
-        problem = _verify_listed(directory, listed, level, mine)
+        with ThreadPoolExecutor(max(1, min(len(mine), os.cpu_count() or 1, 4))) as pool:
+            found = pool.map(lambda name: _verify_listed(directory, listed, level, [name]), mine)
+            problem = next((p for p in found if p), None)
     problems = [None] * world
     torch.distributed.all_gather_object(problems, problem)
     return next((p for p in problems if p), None)
@@ -518,12 +573,11 @@ def verify_collectively(directory: Path, level: str = DEFAULT_LEVEL) -> str | No
 
 def load_collectively(root: Path, level: str, load: Callable[[Path], T]) -> tuple[Path | None, T | None, list[dict]]:
     """(every rank) The newest good checkpoint under `root`, loaded by `load`: (it or None, what
-    `load` returned, the checkpoints passed over). Each candidate's files are checked for their
-    sizes before anything reads them (missing, truncated); their checksums (`level`) are verified
-    by every rank for its share while `load` reads them, so the disk reads each file once and the
-    hashing overlaps the load. A candidate whose checksums fail after loading is passed over like
-    one that fails before: the next one's load replaces everything it loaded. Rank 0 lists the
-    candidates for everyone."""
+    `load` returned, the checkpoints passed over). Each candidate is verified before anything
+    reads it: the sizes of all its files (missing, truncated), then their checksums (`level`),
+    each rank its share; only a candidate that passes is loaded. The ones passed over are set
+    aside (`.step_N.rejected`, files kept) once a good one is found: out of the resumable ones and
+    of pruning's count. Rank 0 lists the candidates for everyone."""
     import torch
 
     rank0 = torch.distributed.get_rank() == 0
@@ -531,10 +585,13 @@ def load_collectively(root: Path, level: str, load: Callable[[Path], T]) -> tupl
     torch.distributed.broadcast_object_list(listing, src=0)
     unusable = []
     for candidate in map(Path, listing[0]):
-        problem, loaded = verify_collectively(candidate, "size"), None
+        problem = verify_collectively(candidate, "size")
+        if problem is None and level != "size":
+            problem = verify_collectively(candidate, level)
         if problem is None:
-            problem, loaded = _load_verifying(candidate, level, load)
-        if problem is None:
+            loaded = _load_everywhere(candidate, load)
+            if rank0:
+                _set_aside_rejected(root, unusable)
             return candidate, loaded, unusable
         if rank0:
             print(f"checkpoint {candidate} is not usable: {problem}; trying an older one", file=sys.stderr, flush=True)
@@ -543,37 +600,37 @@ def load_collectively(root: Path, level: str, load: Callable[[Path], T]) -> tupl
     return None, None, unusable
 
 
-def _load_verifying(candidate: Path, level: str, load: Callable[[Path], T]) -> tuple[str | None, T | None]:
-    """(every rank) `load` the candidate while this rank's share of its files is checksummed in
-    threads (hashlib frees the GIL): (the first problem any rank's checksums found, what `load`
-    returned). Damaged bytes may fail the load itself: its error is raised only when no checksum
-    explains it."""
+def _set_aside_rejected(root: Path, unusable: list[dict]) -> None:
+    """(rank 0, after the resume found a good checkpoint) The newer ones it passed over, renamed
+    out of `step_*`: the run saves those steps again, and pruning counts only good checkpoints."""
+    for rejected in unusable:
+        kept = retention.set_aside(root / rejected["checkpoint"], "rejected")
+        rejected["set_aside_as"] = kept.name
+        print(f"checkpoint {rejected['checkpoint']} set aside as {kept} (its files kept)", file=sys.stderr, flush=True)
+    if unusable:
+        fsync_path(root)
+
+
+def _load_everywhere(candidate: Path, load: Callable[[Path], T]) -> T:
+    """(every rank) `load` a verified candidate; a rank whose load fails raises its error, and the
+    others say so instead of waiting for it."""
     import torch
     from torch.distributed.checkpoint.api import CheckpointException
 
-    rank, world = torch.distributed.get_rank(), torch.distributed.get_world_size()
-    listed, _ = listed_files(candidate)
-    mine = share({n: e["bytes"] for n, e in listed.items()}, rank, world) if level != "size" else []
-    with ThreadPoolExecutor(max(1, min(len(mine), os.cpu_count() or 1, 4))) as pool:
-        checks = [pool.submit(_verify_listed, candidate, listed, level, [name]) for name in mine]
-        loaded, failure = None, None
-        try:
-            loaded = load(candidate)
-        except ResumeError:  # refused from its recorded layout, before reading it: the same on every rank
-            for check in checks:
-                check.cancel()
-            raise
-        except (Exception, CheckpointException) as error:  # DCP's is a BaseException: a rank's damaged record
-            failure = error
-        problem = next((p for p in (check.result() for check in checks) if p), None)
-    answers = [None] * world
-    torch.distributed.all_gather_object(answers, (problem, failure is not None))
-    problem = next((p for p, _ in answers if p), None)
-    if problem is None and failure is not None:
+    loaded, failure = None, None
+    try:
+        loaded = load(candidate)
+    except ResumeError:  # refused from its recorded layout, before reading it: the same on every rank
+        raise
+    except (Exception, CheckpointException) as error:  # DCP's is a BaseException
+        failure = error
+    failed = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(failed, failure is not None)
+    if failure is not None:
         raise failure
-    if problem is None and any(failed for _, failed in answers):
+    if any(failed):
         raise ResumeError(f"another rank failed loading {candidate}: see its error above")
-    return problem, loaded
+    return loaded
 
 
 def trainer_state(directory: Path) -> dict:
@@ -589,4 +646,12 @@ def saved_rng_state(directory: Path, state: dict, world_size: int):
     path = directory / "rng" / f"rank_{torch.distributed.get_rank():05d}.pt"
     if state["layout"]["world"] != world_size or not path.exists():
         return None  # another layout: its random streams do not map onto these ranks
-    return torch.load(path, weights_only=False)
+    try:
+        with torch.serialization.safe_globals(_numpy_array_globals()):
+            return torch.load(path, weights_only=True)
+    except pickle.UnpicklingError as error:  # weights_only met something else than tensors and numbers
+        raise ResumeError(
+            f"{path} holds objects that are not a random state parakit writes, and is not loaded "
+            f"({str(error).splitlines()[-1][:200]}). Fix: resume from a checkpoint this run's parakit wrote; a "
+            "checkpoint from elsewhere is code: load only one you trust"
+        ) from None

@@ -20,12 +20,13 @@ from types import SimpleNamespace
 
 import torch
 
+from toolkit.formats.atomic import publish_directory
 from toolkit.plan.layout import Layout
 from toolkit.train import checkpoint as ckpt
 from toolkit.train.console import prints_logged
 
 TAG = "state"
-UNIVERSAL = ".universal"
+UNIVERSAL = ckpt.retention.UNIVERSAL
 
 
 def _layout_record(layout: Layout, zero_stage: int) -> dict:
@@ -41,6 +42,7 @@ def save(
     fault,
     verify: str = "xxh3",
     saved_by: dict | None = None,
+    resumed_from: str | None = None,
 ) -> float:
     state = {
         "step": step,
@@ -52,7 +54,8 @@ def save(
     def write(staging: Path) -> None:  # synchronous: the engine's writes are done when it returns
         engine.save_checkpoint(str(staging), tag=TAG, client_state={"step": step})
 
-    return ckpt.save_collectively(root, step, keep_last, fault, write, state, ckpt.host_rng_state(), verify)
+    rng = ckpt.host_rng_state()
+    return ckpt.save_collectively(root, step, keep_last, fault, write, state, rng, verify, resumed_from)
 
 
 def _universal(directory: Path) -> Path:
@@ -75,7 +78,7 @@ def _universal(directory: Path) -> Path:
         with prints_logged("deepspeed"):  # its steps' lines to the log; its progress bars stay on the terminal
             ds_to_universal.main(args)
         shutil.rmtree(target, ignore_errors=True)
-        staging.rename(target)
+        publish_directory(staging, target)  # on disk before its name says it is whole
     return target
 
 

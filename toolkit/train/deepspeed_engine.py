@@ -229,11 +229,13 @@ class EngineSteps:
             **kernels_of(self.cfg).names,  # build_hf_model applied these or raised
         }
 
-    def save(self, root: Path, step: int) -> float:
+    def save(self, root: Path, step: int, resumed_from: str | None = None) -> float:
         c = self.cfg.checkpoint
         fault = self.cfg.train.fault
         saved_by = ckpt.model_record(self.cfg)
-        return deepspeed_checkpoint.save(self.engine, root, step, self.layout, c.keep_last, fault, c.verify, saved_by)
+        return deepspeed_checkpoint.save(
+            self.engine, root, step, self.layout, c.keep_last, fault, c.verify, saved_by, resumed_from
+        )
 
     def settle_saves(self, blocking: bool) -> None:
         pass  # DeepSpeed's save is synchronous

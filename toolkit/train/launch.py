@@ -51,7 +51,8 @@ def train_here(cfg: Config, layout: Layout, run_dir: Path, detach: bool = False)
 
 def refuse_to_start(cfg: Config, run_dir: Path) -> None:
     """(the machine that starts the ranks, before it writes the run's files) Raise ResumeError,
-    saying why and the fix, where this run must not start: its train.init_checkpoint is incomplete;
+    saying why and the fix, where this run must not start: its train.init_checkpoint is incomplete
+    or unsealed; its train.save_init_checkpoint would write into a folder with files in it;
     the checkpoints it would resume hold another model; checkpoint.resume=false over published
     checkpoints; or the earlier run in this run directory saved elsewhere than this run would. A
     resume at another global batch is said, not refused (a batch ramp-up is one)."""
@@ -68,6 +69,12 @@ def refuse_to_start(cfg: Config, run_dir: Path) -> None:
         raise ResumeError(
             f"train.init_checkpoint={cfg.train.init_checkpoint}: {problem}; write it again "
             "(train.save_init_checkpoint, or parakit convert hf-to-megatron)"
+        )
+    target = cfg.train.save_init_checkpoint
+    if target and Path(target).is_dir() and any(Path(target).iterdir()):
+        raise ResumeError(
+            f"train.save_init_checkpoint={target} is a folder with files in it, which this run would write over. "
+            "Fix: name a new folder, or remove that one first"
         )
     root = checkpoint_root(cfg, run_dir)
     if not cfg.checkpoint.resume:

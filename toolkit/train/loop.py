@@ -17,8 +17,10 @@ from typing import Callable, Protocol
 import torch
 
 from toolkit.config.schema import Config
+from toolkit.plan.checkpoint import checkpoint_bytes
 from toolkit.plan.layout import Layout
 from toolkit.train.checkpoint import Resume, refuse_to_start_over
+from toolkit.train.checkpoint_space import space_named, warn_if_short
 from toolkit.train.faults import Watchdog, first_attempt, inject_step_faults, slow_down
 from toolkit.train.metrics import Metrics
 from toolkit.train.preemption import Preemption
@@ -78,8 +80,9 @@ class BackendSteps(Protocol):
     def kernels(self) -> dict:
         """What the run computes with, for its summary: {"attention": ..., "adam": ...}."""
 
-    def save(self, root: Path, step: int) -> float:
-        """A verified checkpoint of `step`; the seconds training was held up."""
+    def save(self, root: Path, step: int, resumed_from: str | None) -> float:
+        """A verified checkpoint of `step`; the seconds training was held up. Pruning never deletes
+        `resumed_from` (the checkpoint the run resumed from)."""
 
     def settle_saves(self, blocking: bool) -> None:
         """Publish background saves that finished (all of them when `blocking`)."""
@@ -165,6 +168,7 @@ def train(
     preemption = Preemption(run_dir)
     profiler = StepProfiler(cfg.train, run_dir, enabled=_rank() == 0)
     stragglers = StragglerWatch(fault, layout)
+    estimate = checkpoint_bytes(cfg, layout)  # a save's size until one is published
     try:
         for step in range(resume.step + 1, layout.last_step + 1):
             with profiler.step(step):
@@ -190,14 +194,18 @@ def train(
                     with watchdog.suspended():
                         metrics.evaluated(step, steps.evaluate())
                 save_now = schedule.due(step)
-                with watchdog.suspended():
+                with watchdog.suspended(), space_named(root, estimate):
                     steps.settle_saves(blocking=save_now)  # one save in flight at a time
                     if save_now:
-                        schedule.saved(step, steps.save(root, step), metrics.history[-1]["step_time_s"])
+                        if _rank() == 0:
+                            warn_if_short(root, estimate)
+                        held_up = steps.save(root, step, resume.checkpoint)
+                        schedule.saved(step, held_up, metrics.history[-1]["step_time_s"])
                 if step < layout.last_step and preemption.requested():
-                    with watchdog.suspended():
+                    with watchdog.suspended(), space_named(root, estimate):
                         if not save_now:
-                            steps.save(root, step)
+                            steps.settle_saves(blocking=True)  # one save in flight at a time
+                            steps.save(root, step, resume.checkpoint)
                         steps.settle_saves(blocking=True)
                     preemption.stopped(step, root)
                     profiler.close()
@@ -215,7 +223,8 @@ def train(
         raise
     profiler.close()  # a window past the last step
     with watchdog.suspended():
-        steps.settle_saves(blocking=True)
+        with space_named(root, estimate):
+            steps.settle_saves(blocking=True)
         memory.close()
         ranks = gather_ranks(compute_s, memory, layout.world_size, layout.pp)
     losses = metrics.close(run_dir, ranks=ranks)

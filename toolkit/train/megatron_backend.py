@@ -7,6 +7,7 @@ Runs on NVIDIA GPUs with NCCL, and on CPU with gloo through toolkit.train.mcore_
 from __future__ import annotations
 
 import contextlib
+import shutil
 from functools import partial
 from pathlib import Path
 
@@ -14,6 +15,7 @@ import torch
 
 from toolkit.config.schema import Config
 from toolkit.emit.megatron import megatron_degrees, megatron_sections
+from toolkit.formats.atomic import publish_directory
 from toolkit.plan.backends import backend_named
 from toolkit.plan.checkpoint import saves_asynchronously
 from toolkit.plan.layout import Layout
@@ -120,23 +122,42 @@ def _local_grads_finite(model: list) -> bool:
     return not sums or bool(torch.isfinite(torch.stack(sums)).all())  # one device sync
 
 
-def _load_weights(chunks: list, path: str) -> None:
-    """Load model weights saved at any layout (dist_checkpointing reshards). All chunks in one
-    call: their sharded tensors together cover every layer, which the loader validates."""
+def _load_weights(chunks: list, path: str, level: str) -> None:
+    """Load model weights saved at any layout (dist_checkpointing reshards), once every rank has
+    verified its share of the sealed folder. All chunks in one call: their sharded tensors
+    together cover every layer, which the loader validates."""
     from megatron.core import dist_checkpointing
 
-    with direct_reads():
-        loaded = dist_checkpointing.load({f"chunk{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}, path)
+    def load(directory: Path) -> dict:
+        with direct_reads():
+            return dist_checkpointing.load(
+                {f"chunk{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}, str(directory)
+            )
+
+    loaded = ckpt.load_sealed(Path(path), level, load)
     for i, chunk in enumerate(chunks):
         chunk.load_state_dict(loaded[f"chunk{i}"], strict=True)
 
 
-def _save_weights(chunks: list, path: str) -> None:
-    """Save model weights layout-free: sharded tensors carry global layer keys and offsets."""
+def _save_weights(chunks: list, path: str, level: str) -> None:
+    """Save model weights layout-free (sharded tensors carry global layer keys and offsets) into a
+    staging folder beside `path`, sealed and published whole by rank 0. A restarted attempt finds
+    it published and leaves it (`parakit train` refuses an existing folder before the ranks start)."""
     from megatron.core import dist_checkpointing
 
-    Path(path).mkdir(parents=True, exist_ok=True)
-    dist_checkpointing.save({f"chunk{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}, path)
+    target = Path(path)
+    if (target / ckpt.MANIFEST).is_file():
+        return
+    staging = target.with_name(f".{target.name}.partial")
+    if torch.distributed.get_rank() == 0:
+        shutil.rmtree(staging, ignore_errors=True)
+        staging.mkdir(parents=True)
+    torch.distributed.barrier()
+    dist_checkpointing.save({f"chunk{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}, str(staging))
+    if torch.distributed.get_rank() == 0:
+        ckpt.seal(staging, level)
+        publish_directory(staging, target, synced_files=True)
+    torch.distributed.barrier()
 
 
 def _rng_state() -> dict:
@@ -190,6 +211,7 @@ def save_checkpoint(
     optimizer_format: str = PARALLEL,
     model_parallel: dict | None = None,
     saved_by: dict | None = None,
+    resumed_from: str | None = None,
 ) -> float:
     """A verified checkpoint of `step`; returns the seconds training was held up. With an
     `async_queue` (megatron-core's AsyncCallsQueue) the shards are written by a forked process
@@ -223,7 +245,7 @@ def save_checkpoint(
         "optimizer_format": optimizer_format,
         "model": saved_by,
     }
-    return ckpt.save_collectively(root, step, keep_last, fault, write, state, _rng_state(), verify)
+    return ckpt.save_collectively(root, step, keep_last, fault, write, state, _rng_state(), verify, resumed_from)
 
 
 def load_checkpoint(
@@ -308,7 +330,7 @@ class MegatronSteps:
             initialize_tp_comm_overlap(config, layout.seq_length, layout.micro_batch)
         chunks = build_model_chunks(sections, config)
         if cfg.train.init_checkpoint:
-            _load_weights(chunks, cfg.train.init_checkpoint)
+            _load_weights(chunks, cfg.train.init_checkpoint, cfg.checkpoint.verify)
         elif cfg.model.hf_path:
             from toolkit.families.hf_weights import load_hf_into_chunks
 
@@ -316,7 +338,7 @@ class MegatronSteps:
         else:
             draw_layout_free(chunks, cfg.train.seed)
         if cfg.train.save_init_checkpoint:
-            _save_weights(chunks, cfg.train.save_init_checkpoint)
+            _save_weights(chunks, cfg.train.save_init_checkpoint, cfg.checkpoint.verify)
         _experts_apart(chunks)
         if config.bf16 or config.fp16:
             chunks = [Float16Module(config, chunk) for chunk in chunks]
@@ -515,7 +537,7 @@ class MegatronSteps:
             "loss": fused.loss if config.cross_entropy_loss_fusion else fused.reference_loss,
         }
 
-    def save(self, root: Path, step: int) -> float:
+    def save(self, root: Path, step: int, resumed_from: str | None = None) -> float:
         c = self.cfg.checkpoint
         self._sync_params()
         return save_checkpoint(
@@ -532,6 +554,7 @@ class MegatronSteps:
             RESHARDABLE if c.reshardable else PARALLEL,
             model_parallel_layout(self.layout, self.cfg),
             ckpt.model_record(self.cfg),
+            resumed_from,
         )
 
     def settle_saves(self, blocking: bool) -> None:

@@ -83,7 +83,8 @@ def run(cfg: Config, run_dir: Path) -> list[float]:
 def run_to_exit_code(cfg: Config, run_dir: Path) -> int:
     """Train; a non-finite loss that stops the run (train.fault.nan_action=stop), Hugging Face
     weights that do not fit the model, or a checkpoint this layout cannot resume from, are
-    reported in one line, not as a traceback, and running out of memory with what held it
+    reported in one line, not as a traceback, as is a save that runs out of disk space (the previous
+    checkpoint kept), and running out of memory with what held it
     (toolkit.train.oom): 1; a configuration this node cannot train (a
     package it lacks) with its errors: 2. Under torchrun the launcher prints that line once for
     every rank (toolkit.train.rank_errors)."""
@@ -93,13 +94,14 @@ def run_to_exit_code(cfg: Config, run_dir: Path) -> int:
     from toolkit.plan.validate import ValidationError
     from toolkit.train import rank_errors
     from toolkit.train.checkpoint import ResumeError
+    from toolkit.train.checkpoint_space import CheckpointSpaceError
 
     try:
         run(cfg, run_dir)
     except ValidationError as error:  # e.g. a package this node lacks
         rank_errors.known(str(error))
         return 2
-    except (FloatingPointError, HfConfigError, ResumeError) as error:  # what and the fix
+    except (FloatingPointError, HfConfigError, ResumeError, CheckpointSpaceError) as error:  # what and the fix
         rank_errors.known(str(error))
         return 1
     except torch.OutOfMemoryError as error:  # what held the memory, the planner's terms and a fix

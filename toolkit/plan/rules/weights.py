@@ -47,19 +47,32 @@ def hf_weights(cfg: Config) -> Iterator[Violation]:
         yield err("hf_weights", {"model.hf_path": m.hf_path}, what.removeprefix(f"model.hf_path={m.hf_path}: "), fix)
 
 
+SEALED = "manifest.json"  # the file list and checksums a sealed checkpoint carries (toolkit.train.checkpoint.seal)
+
+
 def init_checkpoint(cfg: Config) -> Iterator[Violation]:
-    """train.init_checkpoint is a megatron-core dist checkpoint: its metadata.json is there
-    (megatron/core/dist_checkpointing/core.py, check_is_distributed_checkpoint), checked before any
-    rank starts instead of on every rank."""
+    """train.init_checkpoint is a megatron-core dist checkpoint (its metadata.json is there:
+    megatron/core/dist_checkpointing/core.py, check_is_distributed_checkpoint) that parakit sealed:
+    its manifest lists every file's checksum, which the ranks verify before they read any of it
+    (.metadata is a pickle: nothing unverified is unpickled). Checked before any rank starts."""
     path = cfg.train.init_checkpoint
-    if path and not (Path(path) / "metadata.json").is_file():
+    if not path:
+        return
+    if not Path(path).is_dir():
+        what = "no such directory"
+    elif not (Path(path) / "metadata.json").is_file():
+        what = "no megatron-core dist checkpoint there (no metadata.json)"
+    elif not (Path(path) / SEALED).is_file():
         what = (
-            "no megatron-core dist checkpoint there (no metadata.json)" if Path(path).is_dir() else "no such directory"
+            f"no {SEALED} there (written by parakit before it sealed initial checkpoints, or by another tool): its "
+            ".metadata is a pickle that nothing verifies"
         )
-        yield err(
-            "init_checkpoint",
-            {"train.init_checkpoint": path},
-            what,
-            "point it at a directory train.save_init_checkpoint wrote, or convert Hugging Face weights: "
-            "parakit convert hf-to-megatron HF_DIR --output DIR",
-        )
+    else:
+        return
+    yield err(
+        "init_checkpoint",
+        {"train.init_checkpoint": path},
+        what,
+        "point it at a directory train.save_init_checkpoint wrote, or convert Hugging Face weights: "
+        "parakit convert hf-to-megatron HF_DIR --output DIR",
+    )
