@@ -102,6 +102,10 @@ LLAMA = {**json.loads((QWEN2_CONFIG / "config.json").read_text()), "model_type":
         ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
         ({"attention_bias": True}, "attention_bias=True with mlp_bias=False"),
         ({"intermediate_size": None}, "config.json has no 'intermediate_size'"),
+        # a value of another type: the key at fault is named, whichever the arithmetic met first
+        ({"num_attention_heads": "14", "head_dim": None}, "config.json's num_attention_heads='14' does not make"),
+        ({"hidden_size": "896", "head_dim": None}, "config.json's hidden_size='896' does not make"),
+        ({"num_hidden_layers": [24]}, "num_hidden_layers=[24]"),
     ],
 )
 def test_a_bad_hf_path_is_one_clear_error(tmp_path, capsys, config, expected):

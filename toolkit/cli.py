@@ -991,7 +991,7 @@ def _run_hydra_app(command: Command, opts: argparse.Namespace, args: list[str]) 
         extra = ["hydra.output_subdir=null", "hydra.run.dir=.", "hydra/job_logging=none", "hydra/hydra_logging=none"]
         overrides += [o for o in extra if o.split("=", 1)[0] not in user_keys]
     if command.multirun:
-        from toolkit.report.sweep import SweepOptions, grid_size, register_point_dirs
+        from toolkit.report.sweep import SweepOptions, errors_in_every_point, grid_size, register_point_dirs
         from toolkit.report.sweep_slurm import launcher_problem
 
         if problem := launcher_problem(args):
@@ -1001,6 +1001,13 @@ def _run_hydra_app(command: Command, opts: argparse.Namespace, args: list[str]) 
         if given and "${" not in given[-1] and _damaged_record(command.name, Path(given[-1])):
             return 1  # before Hydra writes its multirun.yaml and the points' folders there
 
+        if command.name == "sweep" and not opts.from_plan and (errors := errors_in_every_point(args, opts.config_dir)):
+            print(
+                f"parakit {command.name}: every point of the sweep has these errors; nothing was started:",
+                file=sys.stderr,
+            )
+            print("\n".join(f"  {e}" for e in errors), file=sys.stderr)
+            return 2
         opts.sweep = SweepOptions(opts.warmup_steps, opts.timeout, grid_size(args), time.time())
         opts.sweep_done = 0
         if opts.from_plan:  # one composition; its points come from the planner, not a grid

@@ -40,13 +40,16 @@ def model_fields(path: str | os.PathLike | None) -> dict:
             f"model.hf_path={path}: model_type {c.get('model_type')!r} is not supported (supported: "
             f"{', '.join(FAMILIES)}); choose a model of a supported family"
         )
+    c = _Reads(c)
     try:
         fields = family.fields(c, path)
     except KeyError as e:
         raise HfConfigError(f"model.hf_path={path}: config.json has no {e.args[0]!r}; {HF_PATH_FIX}") from None
     except (TypeError, ValueError, ArithmeticError) as e:  # a value of another type ("64", null, a list)
-        raise HfConfigError(f"model.hf_path={path}: config.json's values do not make a model ({e}); {HF_PATH_FIX}")
-    if wrong := _wrong_types(fields):
+        raise HfConfigError(
+            f"model.hf_path={path}: config.json's {c.suspects()} does not make a model ({e}); {HF_PATH_FIX}"
+        ) from None
+    if wrong := _wrong_types(fields, c):
         raise HfConfigError(f"model.hf_path={path}: config.json gives {wrong}; {HF_PATH_FIX}")
     positions = fields["max_position_embeddings"]
     # the family's QK norm; model.moe's fields the config gives (none for a dense family) over the schema's defaults
@@ -62,9 +65,43 @@ def model_fields(path: str | os.PathLike | None) -> dict:
     }
 
 
-def _wrong_types(fields: dict) -> str:
+class _Reads(dict):
+    """config.json's object, remembering which keys a family read, in order: an error names its key."""
+
+    def __init__(self, content: dict):
+        super().__init__(content)
+        self.read: list[str] = []
+
+    def __getitem__(self, key):
+        self.read.append(key)
+        return super().__getitem__(key)
+
+    def get(self, key, default=None):
+        self.read.append(key)
+        return super().get(key, default)
+
+    def suspects(self) -> str:
+        """The keys read whose values are not numbers where a model needs them ("64", null, a list),
+        as 'hidden_size="64"'; else the last key read."""
+        values = {k: dict.get(self, k) for k in self.read if k in self}
+        wrong = [k for k, v in values.items() if v is None or isinstance(v, list) or _numeric_text(v)]
+        return ", ".join(f"{k}={values[k]!r}" for k in (wrong or list(values)[-1:]))
+
+
+def _numeric_text(value) -> bool:
+    if not isinstance(value, str):
+        return False
+    try:
+        float(value)
+    except ValueError:
+        return False
+    return True
+
+
+def _wrong_types(fields: dict, c: _Reads) -> str:
     """The fields config.json gave a value of another type than ModelConfig's (a string for a
-    size, a float for a count), as "model.hidden_size='64' (an integer)"; "" when none."""
+    size, a float for a count), each with the config.json key it came from, as
+    "num_hidden_layers=[24] (model.num_layers: an integer)"; "" when none."""
     import dataclasses
     import typing
 
@@ -78,7 +115,9 @@ def _wrong_types(fields: dict) -> str:
         number = {int: "an integer", float: "a number"}.get(next((a for a in typing.get_args(kind) or (kind,)), None))
         ok = isinstance(value, (int, float) if number == "a number" else int) and not isinstance(value, bool)
         if number and not ok and not (value is None and optional):
-            wrong.append(f"model.{f.name}={value!r} ({number})")
+            key = next((k for k in dict.fromkeys(c.read) if k in c and dict.get(c, k) is value), None)
+            given = f"{key}={value!r}" if key else f"{value!r}"
+            wrong.append(f"{given} (model.{f.name}: {number})")
     return ", ".join(wrong)
 
 

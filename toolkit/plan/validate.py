@@ -37,6 +37,7 @@ from toolkit.plan.rules import (
     ranges,
     secrets,
     slow,
+    slurm,
     training,
     weights,
     zero,
@@ -105,6 +106,7 @@ _ERROR_RULES: tuple[Callable[[Config], Iterator[Violation]], ...] = (
     training.profile,
     training.kernels,
     training.fault_ranks,
+    slurm.signal_lead,
 )
 
 

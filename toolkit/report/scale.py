@@ -16,6 +16,7 @@ from pathlib import Path
 from toolkit.config.schema import Config, as_name
 from toolkit.plan.doublings import doublings, first_below, verdict
 from toolkit.plan.scaling import node_shape, sizes
+from toolkit.plan.validate import validate
 from toolkit.report.sweep import (
     SweepOptions,
     SweepRecordError,
@@ -92,8 +93,14 @@ def run_scale(
 ) -> list[dict]:
     """Measure the curve; [row per size]. The composed layout's tp, pp and global batch are its
     start; ranks fill nodes of the composed cluster's gpus_per_node."""
-    # every size's overrides first: a ScaleError before any run
+    # every size's overrides first, and every point validated: a ScaleError before any run
     planned = {size: point_overrides(cfg, dim, mode, ranks[0], size) for size in sizes(*ranks)}
+    invalid = {size: validate(with_overrides(cfg, mine)).errors for size, mine in planned.items()}
+    if listing := [f"  {size} ranks: {e}" for size, errors in invalid.items() for e in errors]:
+        raise ScaleError(
+            f"--dim {dim} over --ranks {ranks[0]}..{ranks[1]} makes points that cannot run; nothing was "
+            "started:\n" + "\n".join(listing)
+        )
     describe_sweep(sweep_dir, scaling={"dimension": dim, "mode": mode, "threshold": threshold})
     opts.total_points, opts.started = len(planned), time.time()
     rows = []

@@ -84,13 +84,28 @@ def other_model(cfg, root: Path) -> str | None:
     the configured backend and model ("hidden_size 64 saved, 128 configured"), or None: the same,
     none there, or one saved before checkpoints recorded it (the ranks' load then judges)."""
     newest = _newest_state(root)
-    saved = newest[1].get("model") if newest else None
+    changed = model_changes(newest[1].get("model") if newest else None, cfg)
+    return f"{newest[0]} holds another model: {changed}" if changed else None
+
+
+def model_changes(saved: dict | None, cfg) -> str:
+    """How the model record a checkpoint saved differs from the configured one ("hidden_size 64
+    saved, 128 configured; ..."); "" when the same or nothing was recorded."""
     if not saved:
+        return ""
+    now = model_record(cfg)
+    return "; ".join(f"{k} {saved.get(k)!r} saved, {v!r} configured" for k, v in now.items() if saved.get(k) != v)
+
+
+def init_checkpoint_model(path: str | Path, cfg) -> str | None:
+    """(`parakit train`, before any rank starts) How the model a sealed initial checkpoint holds
+    differs from the configured one, or None (the same, or sealed before it recorded its model)."""
+    try:
+        saved = json.loads((Path(path) / MANIFEST).read_text()).get("model")
+    except (OSError, ValueError, AttributeError):
         return None
-    changed = [
-        f"{k} {saved.get(k)!r} saved, {v!r} configured" for k, v in model_record(cfg).items() if saved.get(k) != v
-    ]
-    return f"{newest[0]} holds another model: {'; '.join(changed)}" if changed else None
+    changed = model_changes({**saved, "backend": str(cfg.backend.name)} if saved else None, cfg)  # weights only
+    return f"it holds another model: {changed}" if changed else None
 
 
 def other_batch(cfg, root: Path) -> str | None:
@@ -125,12 +140,12 @@ def dist_checkpoint_problem(path: str | Path) -> str | None:
     return verify(Path(path), "size")
 
 
-def seal(directory: Path, level: str = DEFAULT_LEVEL) -> None:
+def seal(directory: Path, saved_by: dict, level: str = DEFAULT_LEVEL) -> None:
     """(one process, its writes done) List every file of a staged folder in its manifest, each
-    fsynced: what load_sealed verifies before anything reads it. Publish it with
-    toolkit.formats.atomic.publish_directory."""
+    fsynced, with the model it holds (`saved_by`, model_record): what load_sealed verifies before
+    anything reads it. Publish it with toolkit.formats.atomic.publish_directory."""
     files = {str(p.relative_to(directory)): file_entry(p, level, sync=True) for p in _files(directory)}
-    write_atomic(directory / MANIFEST, json.dumps({"files": files}, indent=1))
+    write_atomic(directory / MANIFEST, json.dumps({"files": files, "model": saved_by}, indent=1))
 
 
 def load_sealed(directory: Path, level: str, load: Callable[[Path], T]) -> T:

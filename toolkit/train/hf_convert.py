@@ -23,7 +23,7 @@ import torch
 from toolkit.config.schema import Config
 from toolkit.formats.atomic import staged_directory
 from toolkit.train import mcore_cpu
-from toolkit.train.checkpoint import seal
+from toolkit.train.checkpoint import model_record, seal
 
 
 def checkpoint_dtype(path: str) -> str:
@@ -80,7 +80,7 @@ def convert_hf_to_megatron(cfg: Config, output: str | Path) -> dict:
         load_hf_into_chunks([chunk], cfg.model.hf_path, cfg.model)
         with staged_directory(Path(output)) as staging:  # a failure leaves no checkpoint that looks whole
             dist_checkpointing.save({"chunk0": chunk.sharded_state_dict()}, str(staging))
-            seal(staging)  # what train.init_checkpoint verifies before it reads
+            seal(staging, model_record(cfg))  # what train.init_checkpoint verifies before it reads
         params = list(chunk.parameters())
         return {
             "parameters": sum(p.numel() for p in params),

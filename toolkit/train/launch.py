@@ -59,6 +59,7 @@ def refuse_to_start(cfg: Config, run_dir: Path) -> None:
     from toolkit.train.checkpoint import (
         ResumeError,
         dist_checkpoint_problem,
+        init_checkpoint_model,
         other_batch,
         other_model,
         refuse_to_start_over,
@@ -69,6 +70,11 @@ def refuse_to_start(cfg: Config, run_dir: Path) -> None:
         raise ResumeError(
             f"train.init_checkpoint={cfg.train.init_checkpoint}: {problem}; write it again "
             "(train.save_init_checkpoint, or parakit convert hf-to-megatron)"
+        )
+    if cfg.train.init_checkpoint and (problem := init_checkpoint_model(cfg.train.init_checkpoint, cfg)):
+        raise ResumeError(
+            f"train.init_checkpoint={cfg.train.init_checkpoint}: {problem}. Fix: point it at weights of this model, "
+            "or configure the model they hold"
         )
     target = cfg.train.save_init_checkpoint
     if target and Path(target).is_dir() and any(Path(target).iterdir()):

@@ -139,7 +139,7 @@ def _load_weights(chunks: list, path: str, level: str) -> None:
         chunk.load_state_dict(loaded[f"chunk{i}"], strict=True)
 
 
-def _save_weights(chunks: list, path: str, level: str) -> None:
+def _save_weights(chunks: list, path: str, level: str, saved_by: dict) -> None:
     """Save model weights layout-free (sharded tensors carry global layer keys and offsets) into a
     staging folder beside `path`, sealed and published whole by rank 0. A restarted attempt finds
     it published and leaves it (`parakit train` refuses an existing folder before the ranks start)."""
@@ -155,7 +155,7 @@ def _save_weights(chunks: list, path: str, level: str) -> None:
     torch.distributed.barrier()
     dist_checkpointing.save({f"chunk{i}": c.sharded_state_dict() for i, c in enumerate(chunks)}, str(staging))
     if torch.distributed.get_rank() == 0:
-        ckpt.seal(staging, level)
+        ckpt.seal(staging, saved_by, level)
         publish_directory(staging, target, synced_files=True)
     torch.distributed.barrier()
 
@@ -338,7 +338,7 @@ class MegatronSteps:
         else:
             draw_layout_free(chunks, cfg.train.seed)
         if cfg.train.save_init_checkpoint:
-            _save_weights(chunks, cfg.train.save_init_checkpoint, cfg.checkpoint.verify)
+            _save_weights(chunks, cfg.train.save_init_checkpoint, cfg.checkpoint.verify, ckpt.model_record(cfg))
         _experts_apart(chunks)
         if config.bf16 or config.fp16:
             chunks = [Float16Module(config, chunk) for chunk in chunks]
