@@ -355,3 +355,14 @@ def test_a_save_out_of_space_is_one_error_naming_the_folder(tmp_path, monkeypatc
         e["bytes"] for e in ckpt.listed_files(root / "step_00000001")[0].values()
     )
     assert space.needed_bytes(tmp_path / "none", 1e6) == (1000000, "the planner's estimate")
+
+
+def test_a_save_killed_before_latest_is_resumed_not_the_one_before(tmp_path, one_rank):
+    """Killed between the publishing rename and `latest`: the checkpoint is whole and published
+    last, so it is the one resumed; `latest` still names the one before."""
+    root = tmp_path / "checkpoints"
+    _publish_step(root, 2, keep_last=3)
+    _publish_step(root, 4, keep_last=3)
+    (root / ckpt.LATEST).write_text("step_00000002\n")  # as the killed save left it
+    found, _, _ = ckpt.load_collectively(root, "xxh3", lambda candidate: None)
+    assert found.name == "step_00000004"

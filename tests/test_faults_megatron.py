@@ -205,10 +205,11 @@ def test_corrupt_newest_checkpoint_is_detected_and_the_previous_one_used(tmp_pat
     again = Trained(result.run_dir)
     assert_resumed_before_the_corrupt_checkpoint(again)
     assert_same_training(uninterrupted["pp2"], again, EXACT)
-    # step 4 saved again: the damaged one is kept beside, not overwritten
+    # the damaged step 4 set aside at the resume (said once), then saved again: kept beside, not overwritten
     root = again.run_dir / "checkpoints"
+    assert result.stderr.count("set aside as") == 1, result.stderr[-3000:]
     assert ckpt.verify(root / "step_00000004") is None
-    assert "fails its xxh3 checksum" in ckpt.verify(root / ".step_00000004.replaced")
+    assert "fails its xxh3 checksum" in ckpt.verify(root / ".step_00000004.rejected")
 
 
 def damage_a_record_header(directory) -> None:

@@ -202,6 +202,7 @@ def test_an_init_checkpoint_replaces_the_hf_weights(tmp_path):
     checkpoint = tmp_path / "checkpoint"
     checkpoint.mkdir()
     (checkpoint / "metadata.json").write_text('{"sharded_backend": "torch_dist"}')
+    (checkpoint / "manifest.json").write_text('{"files": {}}')  # sealed, as parakit writes one
     overrides = ["model=hf", f"model.hf_path={QWEN2_CONFIG}", "data=synthetic"]
     assert "hf_weights" in {v.rule for v in validate(compose_config(overrides)).errors}
     assert not validate(compose_config([*overrides, f"train.init_checkpoint={checkpoint}"])).errors

@@ -351,13 +351,15 @@ def _verify_listed(directory: Path, listed: dict, level: str, names: list[str] |
 
 
 def _candidates(root: Path) -> list[Path]:
-    """Published checkpoints to resume from: `latest` first, then the others, newest first."""
+    """Published checkpoints to resume from, the one published last first (its manifest's
+    sequence: a save killed between its rename and `latest` is resumed, not the one before it);
+    among checkpoints saved before manifests recorded a sequence, `latest` first, then by step."""
     if not root.exists():
         return []
-    candidates = sorted(root.glob("step_*"), reverse=True)
+    candidates = retention.published_in_order(root)[::-1]
     pointer = root / LATEST
-    if pointer.exists() and (root / pointer.read_text().strip()).exists():
-        named = root / pointer.read_text().strip()
+    named = root / pointer.read_text().strip() if pointer.exists() else None
+    if named in candidates and retention.sequence(named) == retention.sequence(candidates[0]) == -1:
         candidates = [named] + [c for c in candidates if c != named]
     return candidates
 

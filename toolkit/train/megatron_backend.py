@@ -122,7 +122,7 @@ def _local_grads_finite(model: list) -> bool:
     return not sums or bool(torch.isfinite(torch.stack(sums)).all())  # one device sync
 
 
-def _load_weights(chunks: list, path: str, level: str) -> None:
+def _load_weights(chunks: list, path: str, level: str = ckpt.DEFAULT_LEVEL) -> None:
     """Load model weights saved at any layout (dist_checkpointing reshards), once every rank has
     verified its share of the sealed folder. All chunks in one call: their sharded tensors
     together cover every layer, which the loader validates."""
