@@ -84,7 +84,12 @@ def reproduce(
     if opts.record:
         return record(cfg, recipe, overrides, dirs, baseline, (losses, lrs), figures, hardware, opts.force)
 
-    comparison = compare(baseline, losses, hardware, figures, baseline.loss_tolerance or _loss_tolerance(cfg), lrs)
+    comparison = compare(baseline, losses, hardware, figures, loss_tolerance(baseline, cfg, hardware), lrs)
+    if baseline.loss_hardware and baseline.loss_hardware != hardware:
+        comparison.notes.append(
+            f"the loss curve was recorded on {baseline.loss_hardware}: on this machine fp32 sums in another order "
+            f"(within {comparison.tolerance:g} expected; a mixture of experts' routing can amplify it)"
+        )
     mine, theirs = _numeric_overrides(overrides), _numeric_overrides(baseline.overrides)
     if mine != theirs:
         comparison.notes.append(
@@ -102,6 +107,15 @@ def reproduce(
 
 def _loss_tolerance(cfg: Config) -> float:
     return bl.LOSS_TOLERANCE[str(cfg.precision.dtype)]
+
+
+def loss_tolerance(baseline: bl.Baseline, cfg: Config, hardware: str) -> float:
+    """The loss band of a comparison: none where the run repeats bit for bit (the hardware class
+    the curve was recorded on, fp32 on CPU), else the baseline's."""
+    same = bl.SAME_CLASS_LOSS_TOLERANCE.get((str(cfg.cluster.device), str(cfg.precision.dtype)))
+    if same is not None and baseline.loss_hardware == hardware:
+        return same
+    return baseline.loss_tolerance if baseline.loss_tolerance is not None else _loss_tolerance(cfg)
 
 
 def _differences(old: bl.Baseline, new: bl.Baseline, hardware: str) -> list[str]:
@@ -143,6 +157,7 @@ def record(cfg, recipe, overrides, dirs, existing, curves, figures, hardware, fo
         overrides=_numeric_overrides(overrides),
         loss=losses,
         loss_tolerance=_loss_tolerance(cfg),
+        loss_hardware=hardware,
         lr=lrs,
         hardware={
             **(existing.hardware if existing else {}),
