@@ -150,10 +150,7 @@ def seal(directory: Path, saved_by: dict, level: str = DEFAULT_LEVEL) -> None:
 
 def load_sealed(directory: Path, level: str, load: Callable[[Path], T]) -> T:
     """(every rank) `load` a sealed folder once every rank has verified its share of its files."""
-    problem = verify_collectively(directory, "size")
-    if problem is None and level != "size":
-        problem = verify_collectively(directory, level)
-    if problem:
+    if problem := _verify_everywhere(directory, level):
         raise ResumeError(f"{directory} is damaged ({problem}); write it again")
     return _load_everywhere(directory, load)
 
@@ -588,6 +585,15 @@ def verify_collectively(directory: Path, level: str = DEFAULT_LEVEL) -> str | No
     return next((p for p in problems if p), None)
 
 
+def _verify_everywhere(directory: Path, level: str) -> str | None:
+    """(every rank) Sizes of all files first (nothing is hashed in a truncated checkpoint), then
+    each rank's share of the checksums at `level`: the first problem, the same on every rank."""
+    problem = verify_collectively(directory, "size")
+    if problem is None and level != "size":
+        problem = verify_collectively(directory, level)
+    return problem
+
+
 def load_collectively(root: Path, level: str, load: Callable[[Path], T]) -> tuple[Path | None, T | None, list[dict]]:
     """(every rank) The newest good checkpoint under `root`, loaded by `load`: (it or None, what
     `load` returned, the checkpoints passed over). Each candidate is verified before anything
@@ -602,9 +608,7 @@ def load_collectively(root: Path, level: str, load: Callable[[Path], T]) -> tupl
     torch.distributed.broadcast_object_list(listing, src=0)
     unusable = []
     for candidate in map(Path, listing[0]):
-        problem = verify_collectively(candidate, "size")
-        if problem is None and level != "size":
-            problem = verify_collectively(candidate, level)
+        problem = _verify_everywhere(candidate, level)
         if problem is None:
             loaded = _load_everywhere(candidate, load)
             if rank0:
