@@ -201,14 +201,14 @@ def test_without_a_recipe_or_a_baseline_it_says_what_to_do(tmp_path):
 def test_the_moe_recipe_reproduces_its_golden_curve(tmp_path):
     """tp2 x ep2 on 4 CPU ranks: the first 8 steps of its recorded curve, bit for bit on the hardware
     class it was recorded on (a change of numerics shows from step 6: float32 gradient norms moved
-    step 6 by 9.5e-7 and step 7 by 3.8e-6), within the general band on another."""
+    step 6 by 9.5e-7 and step 7 by 3.8e-6), within its band for other classes on another."""
     done = reproduce(tmp_path, "recipe=tiny_cpu_moe", "--steps", "8")
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     assert "reproduce tiny_cpu_moe: PASS" in done.stdout
     report = json.loads((tmp_path / "run" / "reproduce.json").read_text())
     assert report["pass"] and [r["step"] for r in report["loss"]["steps"]] == list(range(1, 9))
     recorded_here = load(REPO / "toolkit/conf/baselines/tiny_cpu_moe.yaml").loss_hardware == hardware_class("cpu")
-    assert report["loss"]["tolerance"] == (0.0 if recorded_here else 1e-4)
+    assert report["loss"]["tolerance"] == (0.0 if recorded_here else 5e-4)
 
 
 @pytest.mark.slow

@@ -156,7 +156,10 @@ def record(cfg, recipe, overrides, dirs, existing, curves, figures, hardware, fo
         recipe=recipe,
         overrides=_numeric_overrides(overrides),
         loss=losses,
-        loss_tolerance=_loss_tolerance(cfg),
+        # a band set from a measured spread across hardware classes (the MoE's) survives a new recording
+        loss_tolerance=existing.loss_tolerance
+        if existing and existing.loss_tolerance is not None
+        else _loss_tolerance(cfg),
         loss_hardware=hardware,
         lr=lrs,
         hardware={
