@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
+import training_runs
 from warm.server import WARM_ENV
 
 from toolkit.train import checkpoint as ckpt
@@ -157,16 +158,7 @@ def test_a_full_disk_is_named_and_the_previous_checkpoint_stays(tmp_path, small_
     the previous checkpoint verifies."""
     root = small_filesystem / "checkpoints"
     overrides = [o for o in COMMON if not o.startswith("checkpoint.keep_last")] + ["checkpoint.keep_last=1"]
-    env = {name: value for name, value in os.environ.items() if name not in WARM_ENV}
-    result = subprocess.run(
-        [sys.executable, "-m", "toolkit.cli", "train", *overrides, f"backend={backend}"]
-        + [f"checkpoint.dir={root}", f"hydra.run.dir={tmp_path / 'run'}"],
-        cwd=tmp_path,
-        capture_output=True,
-        text=True,
-        timeout=600,
-        env=env,
-    )
+    result = training_runs.run(tmp_path, "run", *overrides, f"backend={backend}", f"checkpoint.dir={root}")
     assert result.returncode == 1, result.stderr[-3000:]
     assert "warning [checkpoint_space]" in result.stderr and "Traceback" not in result.stderr
     said = [line for line in result.stderr.splitlines() if "ran out of space" in line]
