@@ -132,6 +132,11 @@ def test_record_refuses_to_overwrite_a_different_baseline(tmp_path, compose, cap
     assert record(cfg, "r", [], [tmp_path], existing, (dict(CURVE), LRS), figures, HERE, force=False) == 0  # same
     assert record(cfg, "r", [], [tmp_path], existing, (moved, LRS), figures, HERE, force=True) == 0
     assert Baseline.from_yaml(path.read_text(), str(path)).loss[2] == 9.6
+    widened = Baseline.from_yaml(path.read_text(), str(path))
+    widened.loss_tolerance, widened.hardware[HERE].memory_tolerance = 5e-4, 0.2  # bands set from a measured spread
+    assert record(cfg, "r", [], [tmp_path], widened, (moved, LRS), figures, HERE, force=True) == 0
+    kept = Baseline.from_yaml(path.read_text(), str(path))
+    assert (kept.loss_tolerance, kept.hardware[HERE].memory_tolerance, kept.loss_hardware) == (5e-4, 0.2, HERE)
     other_schedule = (moved, LRS | {3: 1.01 * LRS[3]})
     assert record(cfg, "r", [], [tmp_path], existing, other_schedule, figures, HERE, force=False) == 2
     assert "the learning rate at step 3" in capsys.readouterr().err

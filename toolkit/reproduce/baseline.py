@@ -44,7 +44,8 @@ MIN_CORRELATION = 0.99  # of the measured and golden curves (Pearson), as golden
 # Throughput on a shared CPU varies by tens of percent with the load; a GPU node by a few.
 THROUGHPUT_TOLERANCE = {"cpu": 0.35, "cuda": 0.05}
 # Tensor bytes repeat closely for the same configuration, but when Python's garbage collector frees
-# cycles moves the peak: the demo measured +8.1% on a loaded machine with checkpoint saves.
+# cycles moves the peak: the demo measured +8.1% on a loaded machine with checkpoint saves. The MoE
+# spreads wider (five runs on one machine: 0.0755 to 0.0911 GiB): its baseline carries 0.2.
 MEMORY_TOLERANCE = 0.15
 
 

@@ -152,6 +152,7 @@ def record(cfg, recipe, overrides, dirs, existing, curves, figures, hardware, fo
 
     losses, lrs = curves
     device = str(cfg.cluster.device)
+    previous = existing.hardware.get(hardware) if existing else None
     new = bl.Baseline(
         recipe=recipe,
         overrides=_numeric_overrides(overrides),
@@ -168,6 +169,8 @@ def record(cfg, recipe, overrides, dirs, existing, curves, figures, hardware, fo
                 tokens_per_s=float(figures["tokens_per_s"]),
                 tokens_per_s_tolerance=bl.THROUGHPUT_TOLERANCE[device],
                 memory_gib=figures.get("memory_gib"),
+                # a band widened for a recipe's measured spread (the MoE's) survives a new recording
+                memory_tolerance=previous.memory_tolerance if previous else bl.MEMORY_TOLERANCE,
             ),
         },
         published=existing.published if existing else None,
